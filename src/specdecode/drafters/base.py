@@ -1,0 +1,50 @@
+"""The drafter protocol: the engine knows drafters only through this."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, n] proposed tokens, n <= k (n = 0: nothing to propose)
+    probs: torch.Tensor | None = None  # [B, n, V] processed q; None: deterministic draft (q one-hot)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def empty(batch: int = 1, device: torch.device | str = "cpu") -> "Draft":
+        return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
+
+
+class Drafter(ABC):
+    """Proposes tokens ahead of the target; keeps whatever state it needs in line with commits.
+
+    The engine calls `reset` once per sequence, then alternates `propose` (with every committed
+    token so far) and `commit` (with the committed tokens after verification).
+    """
+
+    name: str = "drafter"
+    forward_passes: int = 0  # model forward passes so far (stays 0 for model-free drafters)
+
+    def reset(self) -> None:
+        """Forget the previous sequence."""
+
+    @abstractmethod
+    def propose(
+        self, input_ids: torch.Tensor, k: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        """Up to k tokens that follow input_ids [B, L]; with probs when sampling from a distribution."""
+
+    def commit(self, input_ids: torch.Tensor) -> None:
+        """input_ids [B, L'] is now the committed sequence (accepted draft prefix + target token)."""
+
+    def check_vocab(self, vocab_size: int, tokenizer=None) -> None:
+        """Raise ValueError when this drafter cannot propose in the target's vocabulary."""

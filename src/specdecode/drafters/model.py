@@ -1,0 +1,74 @@
+"""A smaller causal LM of the same vocabulary drafts k tokens with its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..sampling import SamplingParams, logits_to_probs, sample
+from .base import Draft, Drafter
+
+
+def rollback(cache: DynamicCache, keep_len: int) -> None:
+    """Drop every cached position from keep_len on (transformers 5 crops with a negative count)."""
+    extra = cache.get_seq_length() - keep_len
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the shared prefix of two [L] token tensors."""
+    n = min(a.shape[-1], b.shape[-1])
+    differ = (a[..., :n] != b[..., :n]).nonzero()
+    return int(differ[0, -1]) if len(differ) else n
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, model, tokenizer=None, name: str | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model, "spec", None) or model.config.name_or_path or "model"
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached_ids = torch.empty(1, 0, dtype=torch.long)  # tokens whose K/V the cache holds
+
+    def check_vocab(self, vocab_size: int, tokenizer=None) -> None:
+        own = self.model.get_output_embeddings().weight.shape[0]
+        if own != vocab_size:
+            raise ValueError(
+                f"draft model {self.name!r} has a vocabulary of {own} tokens but the target has {vocab_size}: "
+                "draft and target must share one tokenizer"
+            )
+        if tokenizer is not None and self.tokenizer is not None and tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"draft model {self.name!r} uses a different tokenizer from the target's: they must be the same")
+
+    @torch.inference_mode()
+    def _next_logits(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        self.forward_passes += 1
+        out = self.model(input_ids=new_tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached_ids = torch.cat([self.cached_ids, new_tokens.cpu()], dim=1)
+        return out.logits[:, -1].float()  # [B, V]
+
+    def propose(self, input_ids, k, sampling: SamplingParams, generator) -> Draft:
+        if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
+            self.commit(input_ids[:, :-1])
+        pending = input_ids[:, self.cached_ids.shape[1] :].to(self.model.device)
+        tokens, probs = [], []
+        for i in range(k):
+            logits = self._next_logits(pending)
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = logits_to_probs(logits, sampling)
+                token = sample(q, generator)
+                probs.append(q)
+            tokens.append(token)
+            pending = token[:, None]
+        return Draft(torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None)
+
+    def commit(self, input_ids: torch.Tensor) -> None:
+        keep = common_prefix_len(self.cached_ids[0], input_ids[0].cpu())
+        rollback(self.cache, keep)
+        self.cached_ids = self.cached_ids[:, :keep]

@@ -1,0 +1,145 @@
+"""Text in, text out: model specs + a prompt -> streamed text and stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .engine import Generation, SpeculativeEngine
+from .models import load_model
+from .sampling import SamplingParams
+from .stats import GenerationStats
+from .stopping import StopCondition
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """Every token that ends a turn: the generation config's EOS ids and the tokenizer's."""
+    ids = set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    ids.add(getattr(tokenizer, "eos_token_id", None))
+    return frozenset(i for i in ids if i is not None)
+
+
+def make_drafter(spec: str | None, dtype=None, tokenizer=None) -> Drafter | None:
+    """A drafter from a spec: None/'none', 'ngram', or a model spec (loaded as a draft model)."""
+    if spec in (None, "", "none"):
+        return None
+    if spec == "ngram":
+        return NgramDrafter()
+    model, draft_tokenizer = load_model(spec, dtype=dtype)
+    return ModelDrafter(model, draft_tokenizer, name=spec)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return dict(text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason, stats=self.stats.to_dict())
+
+
+class TextGeneration:
+    """Iterate for text pieces as tokens are accepted; `result()` for the whole completion.
+
+    Streams never show text they would later take back: an incomplete UTF-8 character, or the
+    start of what may turn into a stop string, is held until it is settled.
+    """
+
+    def __init__(self, generation: Generation, tokenizer, stop: StopCondition):
+        self._tokens, self._result = iter(generation), generation.partial
+        self._tokenizer, self._stop = tokenizer, stop
+        self._emitted = 0
+        self._hold = max((len(s) for s in stop.stop_strings), default=1) - 1
+
+    def _text(self) -> str:
+        return self._stop.trim_text(self._tokenizer.decode(self._result.token_ids, skip_special_tokens=True))
+
+    def __iter__(self) -> Iterator[str]:
+        for _ in self._tokens:
+            text = self._text()
+            if self._result.finish_reason is None:
+                text = text[: len(text) - self._hold] if self._hold else text
+                if text.endswith("\ufffd"):
+                    continue
+            if len(text) > self._emitted:
+                yield text[self._emitted :]
+                self._emitted = len(text)
+        text = self._text()
+        if len(text) > self._emitted:
+            yield text[self._emitted :]
+            self._emitted = len(text)
+
+    def result(self) -> Completion:
+        for _ in self:
+            pass
+        return Completion(self._text(), list(self._result.token_ids), self._result.finish_reason, self._result.stats)
+
+
+class SpecDecoder:
+    """The high-level object: `SpecDecoder.from_specs("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")`."""
+
+    def __init__(self, target, tokenizer, drafter: Drafter | None = None, k: int = 5):
+        self.target, self.tokenizer = target, tokenizer
+        self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k)
+        self.eos = eos_token_ids(target, tokenizer)
+
+    @classmethod
+    def from_specs(cls, target: str, draft: str | None = None, *, dtype=None, k: int = 5, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        model, tokenizer = load_model(target, dtype=dtype)
+        return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer), k=k)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.engine.drafter
+
+    def encode(self, prompt: str | list[dict], chat: bool = False) -> torch.Tensor:
+        """A prompt string (or chat messages) -> input_ids [1, L]; chat applies the model's template."""
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not messages or not all((m.get("content") or "").strip() for m in messages):
+                raise ValueError("the prompt is empty: give at least one message with content")
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        else:
+            if not prompt:
+                raise ValueError("the prompt is empty: give some text")
+            ids = self.tokenizer(prompt)["input_ids"]
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return torch.tensor([ids], dtype=torch.long)
+
+    def stream(
+        self,
+        prompt: str | list[dict],
+        *,
+        chat: bool = False,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: tuple[str, ...] | list[str] = (),
+        k: int | None = None,
+        speculate: bool = True,
+    ) -> TextGeneration:
+        """Start a generation; iterate the result for text pieces. speculate=False is plain decoding."""
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        stop_condition = StopCondition(self.eos, tuple(stop), self.tokenizer)
+        input_ids = self.encode(prompt, chat=chat)
+        generation = self.engine.generate(
+            input_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop_condition, k=k, speculate=speculate
+        )
+        return TextGeneration(generation, self.tokenizer, stop_condition)
+
+    def generate(self, prompt: str | list[dict], **kwargs) -> Completion:
+        return self.stream(prompt, **kwargs).result()

@@ -1,0 +1,61 @@
+"""What one generation call counted and timed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_passes: int = 0  # prefill included
+    draft_passes: int = 0  # forward passes of a draft model (0 for model-free drafters)
+    steps: int = 0  # verify passes after the prefill
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_len_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
+    time_to_first_token_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            counts.extend([0] * (upto - len(counts)))
+            for i in range(upto):
+                counts[i] += 1
+        self.accepted_len_histogram.extend([0] * (accepted + 1 - len(self.accepted_len_histogram)))
+        self.accepted_len_histogram[accepted] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Draft tokens accepted per verify step (the target adds one more token of its own)."""
+        return self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_len=self.mean_accepted_len,
+            acceptance_per_position=self.acceptance_per_position,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return d

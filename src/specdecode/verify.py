@@ -1,0 +1,81 @@
+"""Acceptance rules: pure tensor functions, batched over rows, no models.
+
+Each returns `(accepted_len [B], next_token [B])`: row b keeps draft_tokens[b, :accepted_len[b]] and
+then next_token[b], the target's own token (the correction at the first rejection, or the bonus
+token when the whole draft was accepted). Rows may carry drafts of different lengths (`draft_lens`);
+positions past a row's length count as rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _valid_mask(draft_tokens: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
+    B, k = draft_tokens.shape
+    if draft_lens is None:
+        return torch.ones(B, k, dtype=torch.bool, device=draft_tokens.device)
+    return torch.arange(k, device=draft_tokens.device)[None, :] < draft_lens[:, None]
+
+
+def _prefix_len(accept: torch.Tensor) -> torch.Tensor:
+    """[B, k] bool -> [B] length of the all-True prefix."""
+    return accept.long().cumprod(-1).sum(-1)
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor,  # [B, k]
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    draft_lens: torch.Tensor | None = None,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept while the draft equals the target's argmax; the output is the target's greedy output."""
+    k = draft_tokens.shape[1]
+    target_tokens = target_logits.argmax(-1)  # [B, k+1]
+    accept = (draft_tokens == target_tokens[:, :k]) & _valid_mask(draft_tokens, draft_lens)
+    accepted_len = _prefix_len(accept)
+    next_token = target_tokens.gather(1, accepted_len[:, None]).squeeze(1)
+    return accepted_len, next_token
+
+
+def speculative_accept(
+    draft_tokens: torch.Tensor,  # [B, k]
+    draft_probs: torch.Tensor | None,  # [B, k, V] processed q; None = deterministic draft (q one-hot)
+    target_probs: torch.Tensor,  # [B, k+1, V] processed p
+    generator: torch.Generator | None = None,
+    draft_lens: torch.Tensor | None = None,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Accept draft token x with probability min(1, p(x)/q(x)); at the first rejection sample from
+    normalize(max(0, p - q)); after a fully accepted draft sample the bonus token from p. The
+    emitted tokens are then distributed exactly as if sampled from p one at a time.
+    """
+    B, k = draft_tokens.shape
+    V = target_probs.shape[-1]
+    rows = torch.arange(B, device=draft_tokens.device)
+    p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
+    u = torch.rand(B, k, generator=generator, device=p_x.device)
+    accept = (u * q_x < p_x) & _valid_mask(draft_tokens, draft_lens)  # u < p/q without dividing by 0
+    accepted_len = _prefix_len(accept)
+
+    lens = draft_lens if draft_lens is not None else torch.full_like(accepted_len, k)
+    rejected = accepted_len < lens  # [B]
+    p_at = target_probs[rows, accepted_len]  # [B, V]
+    q_at = torch.zeros_like(p_at)
+    if rejected.any():
+        pos = accepted_len.clamp(max=k - 1)
+        if draft_probs is None:
+            q_rej = torch.nn.functional.one_hot(draft_tokens[rows, pos], V).to(p_at.dtype)
+        else:
+            q_rej = draft_probs[rows, pos]
+        q_at = torch.where(rejected[:, None], q_rej, q_at)
+    residual = (p_at - q_at).clamp(min=0)
+    mass = residual.sum(-1, keepdim=True)
+    # mass is 0 only when p == q up to rounding, where the rejection itself was a rounding event.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
+    next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+    return accepted_len, next_token

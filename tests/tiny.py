@@ -1,0 +1,49 @@
+"""Tiny random causal LMs built from configs: fast, fp32, small vocabulary."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB = 96
+
+
+def tiny_model(seed: int, layers: int = 2, hidden: int = 32, vocab: int = VOCAB, sharpness: float = 1.0):
+    """A random Llama; `sharpness` scales the output head: larger = more peaked next-token distributions."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+def random_prompt(seed: int, length: int, vocab: int = VOCAB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (1, length), generator=g)  # no BOS/EOS inside prompts
+
+
+def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Greedy decoding with no cache at all: the slowest, most obviously correct reference."""
+    ids = input_ids
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(ids).logits[0, -1].argmax())
+            out.append(token)
+            if token == eos:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
