@@ -130,8 +130,48 @@ def cmd_models(args) -> int:
             row["name"], row["description"], "yes" if row["installed"] else "no", "yes" if row["converted"] else "no",
             str(row["size_mb"]) if row["converted"] else "-", row["path"] if row["converted"] else "-",
         )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     return 0
+
+
+def _add_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", default=None, help="JSONL (id, task, turns) or text file; default: the Spec-Bench dev set")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks to keep")
+    p.add_argument("--per-task", type=int, default=None, help="first N prompts of each task")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts overall")
+
+
+def _load_prompts(args):
+    from .prompts import load_prompts
+
+    return load_prompts(args.prompts, tasks=args.tasks.split(",") if args.tasks else None, per_task=args.per_task, limit=args.limit)
+
+
+def cmd_check(args) -> int:
+    from rich.console import Console
+
+    from .check import check_greedy, summarize_greedy
+    from .pipeline import SpecDecoder
+
+    console = Console(stderr=True)
+    prompts = _load_prompts(args)
+    decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, threads=args.threads)
+
+    def show(case):
+        detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"
+        console.print(f"  {case.task}/{case.id}: {case.verdict}{detail}")
+
+    console.print(f"greedy check: {len(prompts)} prompts, {args.max_new_tokens} new tokens, dtype {decoder.target.dtype}")
+    summary = summarize_greedy(check_greedy(decoder, prompts, args.max_new_tokens, progress=None if args.json else show))
+    passed = summary["divergences"] == 0
+    if args.json:
+        print(json.dumps(dict(greedy=summary, passed=passed)))
+    else:
+        console.print(
+            f"greedy: {summary['identical']} of {summary['total']} identical, {summary['near_ties']} numeric near-tie(s), "
+            f"{summary['divergences']} divergence(s): {'PASS' if passed else 'FAIL'}"
+        )
+    return 0 if passed else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("check", help="prove on your prompts that speculation preserves the output (exit 0 = pass)")
+    _add_model_args(c)
+    _add_prompt_args(c)
+    c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
 
     m = sub.add_parser("models", help="list the built-in models, or `models pull [NAME...]` to install and convert")
     m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")

@@ -61,6 +61,8 @@ class SpeculativeEngine:
     sampled output follows the target's distribution exactly."""
 
     def __init__(self, target, drafter: Drafter | None = None, tokenizer=None, k: int = 5):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
         self.target, self.drafter, self.tokenizer, self.k = target, drafter, tokenizer, k
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         if drafter is not None:
@@ -79,7 +81,8 @@ class SpeculativeEngine:
     def generate(self, input_ids: torch.Tensor, **kwargs) -> Generation:
         """Start generating after input_ids [1, L]; see `_steps` for the arguments."""
         result = GenerationResult()
-        k = kwargs.pop("k", None) or self.k
+        k = kwargs.pop("k", None)
+        k = self.k if k is None else k
         validate_request(input_ids, kwargs.get("max_new_tokens", 0), k)
         return Generation(self._steps(result, input_ids.cpu(), k=k, **kwargs), result)
 

@@ -238,16 +238,44 @@ def prepare(spec: str) -> Path | str:
     return spec  # a hub id
 
 
-def load_model(spec: str, dtype: str | torch.dtype | None = None, device: str | None = None):
-    """Load (model, tokenizer) for a spec, in eval mode, on `device` (cpu unless CUDA is there)."""
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe, so an offline machine fails in seconds instead of after the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_pretrained(source: str, torch_dtype: torch.dtype, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **kwargs)
+    return model, tokenizer
+
+
+def load_model(spec: str, dtype: str | torch.dtype | None = None, device: str | None = None):
+    """Load (model, tokenizer) for a spec, in eval mode, on `device` (cpu unless CUDA is there)."""
     torch_dtype = resolve_dtype(dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     source = prepare(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype)
+        if isinstance(source, Path):
+            model, tokenizer = _from_pretrained(str(source), torch_dtype)
+        else:
+            try:  # the hub cache first: works offline for models downloaded before
+                model, tokenizer = _from_pretrained(source, torch_dtype, local_files_only=True)
+            except OSError:
+                if not _hub_reachable():
+                    raise OSError("the Hugging Face hub is unreachable from this machine and the model is not in its cache")
+                model, tokenizer = _from_pretrained(source, torch_dtype)
     except OSError as e:
         if isinstance(source, Path):
             raise ModelError(f"could not load model from {source}: {e}") from e

