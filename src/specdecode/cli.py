@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .models import BUILTINS, DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 
@@ -174,6 +175,58 @@ def cmd_check(args) -> int:
     return 0 if passed else 1
 
 
+def cmd_bench(args) -> int:
+    import shlex
+
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from .bench.methods import build_methods
+    from .bench.report import write_report
+    from .bench.runner import BenchConfig, environment, run_bench
+    from .models import load_model
+    from .pipeline import SpecDecoder
+    from .sampling import SamplingParams
+
+    if args.threads:
+        torch_threads(args.threads)
+    prompts = _load_prompts(args)
+    target, tokenizer = load_model(args.target, dtype=args.dtype)
+    decoder = SpecDecoder(target, tokenizer)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = build_methods(names, target, tokenizer, decoder.eos, default_draft=args.draft, default_k=args.k, dtype=args.dtype)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    config = BenchConfig(max_new_tokens=args.max_new_tokens, repeat=args.repeat, sampling=sampling, chat=not args.no_chat)
+    with tqdm(total=len(prompts) * len(methods) * args.repeat, desc="bench", unit="run") as bar:
+        rows = run_bench(methods, prompts, lambda text: decoder.encode(text, chat=config.chat), config, progress=bar.update)
+    command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    settings = dict(
+        target=args.target, draft=args.draft, k=args.k, max_new_tokens=args.max_new_tokens, repeat=args.repeat,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=len(prompts),
+        methods={m.name: m.settings for m in methods},
+    )
+    summary = write_report(rows, names, environment(target, target.dtype), command, settings, Path(args.out))
+    table = Table(title=f"overall ({len(prompts)} prompts, {args.max_new_tokens} new tokens) — {args.out}/report.md")
+    for col in ("method", "tok/s", "vs plain (mean)", "min", "max", "accepted/step", "identical", "p50 s", "p99 s"):
+        table.add_column(col, justify="right")
+    for name, m in summary["overall"].items():
+        sp = m["speedup_vs_plain"] or {}
+        table.add_row(
+            name, f"{m['tokens_per_s']:.2f}", f"{sp.get('mean', 0):.2f}x", f"{sp.get('min', 0):.2f}x", f"{sp.get('max', 0):.2f}x",
+            "-" if m["mean_accepted_len"] is None else f"{m['mean_accepted_len']:.2f}", f"{m['identical']}/{m['n']}",
+            f"{m['latency_p50']:.2f}", f"{m['latency_p99']:.2f}",
+        )
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+def torch_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding: the target's answers, faster.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-new-tokens", type=int, default=64)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="benchmark methods side by side on a prompt set; writes report.md, results.json, plots")
+    _add_model_args(b)
+    _add_sampling_args(b)
+    _add_prompt_args(b)
+    b.add_argument("--methods", default="plain,spec,hf-greedy,hf-assisted,hf-pld", help="comma-separated; see `specdecode.bench.methods`")
+    b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method; the median is kept")
+    b.add_argument("--out", default="bench-out", help="output directory")
+    b.add_argument("--no-chat", action="store_true", help="feed prompts as raw text instead of through the chat template")
+    b.set_defaults(func=cmd_bench, max_new_tokens=128)
 
     m = sub.add_parser("models", help="list the built-in models, or `models pull [NAME...]` to install and convert")
     m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")

@@ -1,0 +1,1 @@
+"""`specdecode bench`: side-by-side benchmarks against plain decoding and transformers' baselines."""

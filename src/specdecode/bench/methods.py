@@ -1,0 +1,144 @@
+"""What a benchmark can run: our plain and speculative decoding, and transformers' own baselines.
+
+Method names on the command line:
+  plain                      ours, no drafter (the baseline every ratio is against)
+  spec[:DRAFTER[:K]]         ours with a drafter (a model spec or `ngram`) and draft length K
+  hf-greedy                  transformers `generate`
+  hf-assisted                transformers `generate(assistant_model=draft)` with its own defaults
+  hf-pld                     transformers `generate(prompt_lookup_num_tokens=10)`
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters import Drafter
+from ..engine import SpeculativeEngine
+from ..pipeline import make_drafter
+from ..sampling import SamplingParams
+from ..stopping import StopCondition
+
+HF_PLD_TOKENS = 10
+
+
+@dataclass
+class Run:
+    """One request served by one method."""
+
+    token_ids: list[int]
+    ttft_s: float
+    latency_s: float
+    stats: dict = field(default_factory=dict)  # engine stats (ours only)
+
+
+class Method:
+    name: str
+    kind: str  # "ours" or "baseline"
+
+    def run(self, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams) -> Run:
+        raise NotImplementedError
+
+
+class OursMethod(Method):
+    kind = "ours"
+
+    def __init__(self, name: str, target, tokenizer, eos: frozenset[int], drafter: Drafter | None, k: int):
+        self.name, self.eos = name, eos
+        self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k)
+        self.settings = dict(drafter=drafter.name if drafter else None, k=k if drafter else None)
+
+    def run(self, input_ids, max_new_tokens, sampling):
+        result = self.engine.generate(
+            input_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=StopCondition(self.eos)
+        ).result()
+        s = result.stats
+        return Run(result.token_ids, s.time_to_first_token_s, s.total_time_s, s.to_dict())
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first generated tokens arrive (the first put is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first_token_at = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+class HFMethod(Method):
+    kind = "baseline"
+
+    def __init__(self, name: str, target, eos: frozenset[int], pad_token_id: int, **generate_kwargs):
+        self.name, self.target, self.eos, self.pad = name, target, eos, pad_token_id
+        self.generate_kwargs = generate_kwargs
+        self.settings = {k: (v if isinstance(v, (int, float, str)) else type(v).__name__) for k, v in generate_kwargs.items()}
+
+    @torch.inference_mode()
+    def run(self, input_ids, max_new_tokens, sampling):
+        sample_kwargs = (
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+            if sampling.greedy
+            else dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        )
+        if sampling.seed is not None:
+            torch.manual_seed(sampling.seed)
+        timer = _FirstTokenTimer()
+        start = time.perf_counter()
+        out = self.target.generate(
+            input_ids.to(self.target.device),
+            attention_mask=torch.ones_like(input_ids).to(self.target.device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sorted(self.eos),
+            pad_token_id=self.pad,
+            streamer=timer,
+            **sample_kwargs,
+            **self.generate_kwargs,
+        )
+        latency = time.perf_counter() - start
+        tokens = out[0, input_ids.shape[1] :].tolist()
+        return Run(tokens, (timer.first_token_at or start + latency) - start, latency, {"new_tokens": len(tokens)})
+
+
+def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int, dtype) -> list[Method]:
+    """Parse method names; draft models are loaded once and shared between methods."""
+    drafters: dict[str, Drafter | None] = {}
+
+    def drafter_for(spec: str) -> Drafter | None:
+        if spec not in drafters:
+            drafters[spec] = make_drafter(spec, dtype=dtype, tokenizer=tokenizer)
+        return drafters[spec]
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    methods: list[Method] = []
+    for name in names:
+        if name == "plain":
+            methods.append(OursMethod(name, target, tokenizer, eos, None, default_k))
+        elif name == "spec" or name.startswith("spec:"):
+            parts = name.split(":")
+            spec = parts[1] if len(parts) > 1 and parts[1] else default_draft
+            k = int(parts[2]) if len(parts) > 2 else default_k
+            methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k))
+        elif name == "hf-greedy":
+            methods.append(HFMethod(name, target, eos, pad))
+        elif name == "hf-assisted":
+            draft = drafter_for(default_draft)
+            model = getattr(draft, "model", None)
+            if model is None:
+                raise ValueError(f"hf-assisted needs a draft model, but --draft is {default_draft!r}")
+            methods.append(HFMethod(name, target, eos, pad, assistant_model=model))
+            methods[-1].settings["assistant_model"] = default_draft
+        elif name == "hf-pld":
+            methods.append(HFMethod(name, target, eos, pad, prompt_lookup_num_tokens=HF_PLD_TOKENS))
+        else:
+            raise ValueError(f"unknown method {name!r}: use plain, spec[:DRAFTER[:K]], hf-greedy, hf-assisted or hf-pld")
+    if len({m.name for m in methods}) != len(methods):
+        raise ValueError("each method may be named once")
+    return methods
