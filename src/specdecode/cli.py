@@ -15,11 +15,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"drafter: a model spec, 'ngram' (prompt lookup) or 'none' (default {DEFAULT_DRAFT})",
+        help=f"drafter: a model spec (with +int8, +head options), 'ngram' (prompt lookup), 'auto[:MODEL]' "
+        f"(n-gram where the context matches, else the fast model draft; adaptive) or 'none' (default {DEFAULT_DRAFT})",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--k", type=int, default=5, help="draft length: tokens proposed per step")
+    p.add_argument("--k", type=int, default=5, help="draft length: tokens proposed per step (the maximum when adaptive)")
+    p.add_argument(
+        "--adaptive", action=argparse.BooleanOptionalAction, default=None,
+        help="choose the draft length (and plain decoding) per step from measured costs (default: on for auto)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +74,7 @@ def cmd_generate(args) -> int:
 
     err = Console(stderr=True)
     decoder = SpecDecoder.from_specs(
-        args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, threads=args.threads
+        args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads
     )
     options = dict(
         chat=args.chat,
@@ -156,7 +161,7 @@ def cmd_check(args) -> int:
 
     console = Console(stderr=True)
     prompts = _load_prompts(args)
-    decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, threads=args.threads)
+    decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads)
 
     def show(case):
         detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"

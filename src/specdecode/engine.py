@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from .drafters.base import Draft, Drafter
+from .control import AdaptiveK, FixedK
 from .drafters.model import rollback
 from .sampling import SamplingParams, logits_to_probs, sample
 from .stats import GenerationStats
@@ -60,10 +61,12 @@ class SpeculativeEngine:
     """Target model + optional drafter. Greedy output equals the target's own greedy output;
     sampled output follows the target's distribution exactly."""
 
-    def __init__(self, target, drafter: Drafter | None = None, tokenizer=None, k: int = 5):
+    def __init__(self, target, drafter: Drafter | None = None, tokenizer=None, k: int = 5, adaptive: bool = False):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
         self.target, self.drafter, self.tokenizer, self.k = target, drafter, tokenizer, k
+        # Measured costs and acceptance outlive one request: the adaptive controller is the engine's.
+        self.controller = AdaptiveK(max_k=k) if adaptive else None
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         if drafter is not None:
             drafter.check_vocab(self.vocab_size, tokenizer)
@@ -99,6 +102,8 @@ class SpeculativeEngine:
     ) -> Iterator[list[int]]:
         stats, generated = result.stats, result.token_ids
         stop = stop or StopCondition()
+        controller = self.controller or FixedK(k)
+        controller.max_k = k
         generator = None if sampling.greedy else sampling.generator()
         drafter = self.drafter if speculate else None
         stats.prompt_tokens = input_ids.shape[1]
@@ -134,12 +139,15 @@ class SpeculativeEngine:
 
             # Propose. No need to draft past the budget: the target adds one token of its own.
             t0 = time.perf_counter()
-            draft_len = min(k, max_new_tokens - len(generated) - 1)
             draft = Draft.empty()
-            if drafter is not None and draft_len > 0:
-                passes_before = drafter.forward_passes
-                draft = drafter.propose(ids, draft_len, sampling, generator)
-                stats.draft_passes += drafter.forward_passes - passes_before
+            if drafter is not None:
+                draft_len = controller.plan(max_new_tokens - len(generated) - 1)
+                if draft_len > 0:
+                    passes_before = drafter.forward_passes
+                    draft = controller.trim(drafter.propose(ids, draft_len, sampling, generator, controller.keep_going))
+                    stats.draft_passes += drafter.forward_passes - passes_before
+                else:
+                    stats.plain_steps += 1
             t1 = time.perf_counter()
 
             # Verify [last] + draft in one target pass.
@@ -157,7 +165,9 @@ class SpeculativeEngine:
             rollback(cache, ids.shape[1] - 1)
             if drafter is not None:
                 drafter.commit(ids)
+            t2 = time.perf_counter()
+            controller.observe(draft.source, draft.confidence, draft.length, accepted, t1 - t0, t2 - t1)
             stats.target_passes += 1
             stats.record_step(draft.length, accepted)
             stats.draft_time_s += t1 - t0
-            stats.verify_time_s += time.perf_counter() - t1
+            stats.verify_time_s += t2 - t1

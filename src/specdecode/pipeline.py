@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import Drafter, ModelDrafter, NgramDrafter
+from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter
 from .engine import Generation, SpeculativeEngine
-from .models import load_model
+from .models import DEFAULT_DRAFT, load_model
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stopping import StopCondition
@@ -24,14 +24,43 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+DRAFT_HEAD_TOKENS = 32768  # the restricted draft head: ~5x cheaper than Qwen's 151,936-token head
+
+
+def model_spec_of(drafter_spec: str) -> str:
+    """The model a drafter spec drafts with: 'auto:M' -> M, 'M+int8+head' -> M."""
+    if drafter_spec == "auto":
+        return DEFAULT_DRAFT
+    if drafter_spec.startswith("auto:"):
+        drafter_spec = drafter_spec[5:]
+    return drafter_spec.split("+")[0]
+
+
 def make_drafter(spec: str | None, dtype=None, tokenizer=None) -> Drafter | None:
-    """A drafter from a spec: None/'none', 'ngram', or a model spec (loaded as a draft model)."""
+    """A drafter from a spec:
+    - None / 'none': no drafter (plain decoding);
+    - 'ngram': prompt lookup in the prompt and the text so far;
+    - 'MODEL[+int8][+head]': a draft model, optionally with int8 weights and a restricted head;
+    - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int8 and restricted head.
+    """
     if spec in (None, "", "none"):
         return None
     if spec == "ngram":
         return NgramDrafter()
-    model, draft_tokenizer = load_model(spec, dtype=dtype)
-    return ModelDrafter(model, draft_tokenizer, name=spec)
+    model_spec = model_spec_of(spec)
+    options = {"int8", "head"} if spec.startswith("auto") else set(spec.split("+")[1:])
+    unknown = options - {"int8", "head"}
+    if unknown:
+        raise ValueError(f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 and/or +head")
+    model, draft_tokenizer = load_model(model_spec, dtype=dtype)
+    drafter = ModelDrafter(
+        model,
+        draft_tokenizer,
+        name=spec if not spec.startswith("auto") else model_spec,
+        int8="int8" in options,
+        head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
+    )
+    return ComboDrafter(drafter) if spec.startswith("auto") else drafter
 
 
 @dataclass
@@ -85,17 +114,21 @@ class TextGeneration:
 class SpecDecoder:
     """The high-level object: `SpecDecoder.from_specs("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")`."""
 
-    def __init__(self, target, tokenizer, drafter: Drafter | None = None, k: int = 5):
+    def __init__(self, target, tokenizer, drafter: Drafter | None = None, k: int = 5, adaptive: bool = False):
         self.target, self.tokenizer = target, tokenizer
-        self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k)
+        self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k, adaptive=adaptive)
         self.eos = eos_token_ids(target, tokenizer)
 
     @classmethod
-    def from_specs(cls, target: str, draft: str | None = None, *, dtype=None, k: int = 5, threads: int | None = None):
+    def from_specs(
+        cls, target: str, draft: str | None = None, *, dtype=None, k: int = 5, adaptive: bool | None = None, threads: int | None = None
+    ):
+        """adaptive=None: on for the 'auto' drafter, off otherwise."""
         if threads:
             torch.set_num_threads(threads)
         model, tokenizer = load_model(target, dtype=dtype)
-        return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer), k=k)
+        adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
+        return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer), k=k, adaptive=adaptive)
 
     @property
     def drafter(self) -> Drafter | None:

@@ -12,6 +12,7 @@ class GenerationStats:
     target_passes: int = 0  # prefill included
     draft_passes: int = 0  # forward passes of a draft model (0 for model-free drafters)
     steps: int = 0  # verify passes after the prefill
+    plain_steps: int = 0  # steps where the controller chose not to draft (speculation off)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)

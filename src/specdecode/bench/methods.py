@@ -2,7 +2,8 @@
 
 Method names on the command line:
   plain                      ours, no drafter (the baseline every ratio is against)
-  spec[:DRAFTER[:K]]         ours with a drafter (a model spec or `ngram`) and draft length K
+  spec[:DRAFTER[:K]]         ours with a drafter (see `make_drafter`: MODEL[+int8][+head], ngram,
+                             auto[:MODEL]) and draft length K; `aK` = adaptive with at most K
   hf-greedy                  transformers `generate`
   hf-assisted                transformers `generate(assistant_model=draft)` with its own defaults
   hf-pld                     transformers `generate(prompt_lookup_num_tokens=10)`
@@ -17,7 +18,7 @@ import torch
 
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
-from ..pipeline import make_drafter
+from ..pipeline import make_drafter, model_spec_of
 from ..sampling import SamplingParams
 from ..stopping import StopCondition
 
@@ -45,10 +46,10 @@ class Method:
 class OursMethod(Method):
     kind = "ours"
 
-    def __init__(self, name: str, target, tokenizer, eos: frozenset[int], drafter: Drafter | None, k: int):
+    def __init__(self, name: str, target, tokenizer, eos: frozenset[int], drafter: Drafter | None, k: int, adaptive: bool = False):
         self.name, self.eos = name, eos
-        self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k)
-        self.settings = dict(drafter=drafter.name if drafter else None, k=k if drafter else None)
+        self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k, adaptive=adaptive)
+        self.settings = dict(drafter=drafter.name if drafter else None, k=k if drafter else None, adaptive=adaptive)
 
     def run(self, input_ids, max_new_tokens, sampling):
         result = self.engine.generate(
@@ -107,6 +108,18 @@ class HFMethod(Method):
         return Run(tokens, (timer.first_token_at or start + latency) - start, latency, {"new_tokens": len(tokens)})
 
 
+def parse_spec_method(name: str, default_draft: str, default_k: int) -> tuple[str, int, bool]:
+    """'spec[:DRAFTER[:K]]' -> (drafter spec, k, adaptive). K is a number (fixed) or aN (adaptive, at
+    most N); without K, the `auto` drafters are adaptive and the others fixed."""
+    parts = name.split(":", 1)[1].rsplit(":", 1) if ":" in name else [default_draft]
+    if len(parts) == 2 and not parts[1].lstrip("a").isdigit():  # 'auto:MODEL' carries no K
+        parts = [":".join(parts)]
+    spec = parts[0] or default_draft
+    if len(parts) == 1:
+        return spec, default_k, spec.startswith("auto")
+    return spec, int(parts[1].lstrip("a")), parts[1].startswith("a")
+
+
 def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int, dtype) -> list[Method]:
     """Parse method names; draft models are loaded once and shared between methods."""
     drafters: dict[str, Drafter | None] = {}
@@ -122,19 +135,16 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
         if name == "plain":
             methods.append(OursMethod(name, target, tokenizer, eos, None, default_k))
         elif name == "spec" or name.startswith("spec:"):
-            parts = name.split(":")
-            spec = parts[1] if len(parts) > 1 and parts[1] else default_draft
-            k = int(parts[2]) if len(parts) > 2 else default_k
-            methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k))
+            spec, k, adaptive = parse_spec_method(name, default_draft, default_k)
+            methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k, adaptive))
         elif name == "hf-greedy":
             methods.append(HFMethod(name, target, eos, pad))
         elif name == "hf-assisted":
-            draft = drafter_for(default_draft)
-            model = getattr(draft, "model", None)
-            if model is None:
+            if default_draft in ("none", "ngram"):
                 raise ValueError(f"hf-assisted needs a draft model, but --draft is {default_draft!r}")
-            methods.append(HFMethod(name, target, eos, pad, assistant_model=model))
-            methods[-1].settings["assistant_model"] = default_draft
+            model_spec = model_spec_of(default_draft)  # transformers gets the plain model, never our int8 one
+            methods.append(HFMethod(name, target, eos, pad, assistant_model=drafter_for(model_spec).model))
+            methods[-1].settings["assistant_model"] = model_spec
         elif name == "hf-pld":
             methods.append(HFMethod(name, target, eos, pad, prompt_lookup_num_tokens=HF_PLD_TOKENS))
         else:

@@ -1,7 +1,8 @@
 """Drafters: one class per method behind the `Drafter` protocol."""
 
 from .base import Draft, Drafter
+from .combo import ComboDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["ComboDrafter", "Draft", "Drafter", "ModelDrafter", "NgramDrafter"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ from ..sampling import SamplingParams
 class Draft:
     tokens: torch.Tensor  # [B, n] proposed tokens, n <= k (n = 0: nothing to propose)
     probs: torch.Tensor | None = None  # [B, n, V] processed q; None: deterministic draft (q one-hot)
+    confidence: list[float] | None = None  # per token, the draft's own probability of it (row 0)
+    source: str = ""  # which drafter proposed it (a combination drafter has several)
 
     @property
     def length(self) -> int:
@@ -39,9 +42,18 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(
-        self, input_ids: torch.Tensor, k: int, sampling: SamplingParams, generator: torch.Generator | None
+        self,
+        input_ids: torch.Tensor,
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        keep_going: Callable[[int, float], bool] | None = None,
     ) -> Draft:
-        """Up to k tokens that follow input_ids [B, L]; with probs when sampling from a distribution."""
+        """Up to k tokens that follow input_ids [B, L]; with probs when sampling from a distribution.
+
+        A drafter that makes tokens one at a time asks keep_going(tokens_so_far, confidence_of_last)
+        before each further token, so a controller can stop a draft that will likely be rejected.
+        """
 
     def commit(self, input_ids: torch.Tensor) -> None:
         """input_ids [B, L'] is now the committed sequence (accepted draft prefix + target token)."""

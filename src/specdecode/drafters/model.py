@@ -7,6 +7,7 @@ from transformers import DynamicCache
 
 from ..sampling import SamplingParams, logits_to_probs, sample
 from .base import Draft, Drafter
+from .quant import RestrictedHead, quantize_int8
 
 
 def rollback(cache: DynamicCache, keep_len: int) -> None:
@@ -24,10 +25,20 @@ def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model, tokenizer=None, name: str | None = None):
+    """Drafts with a small model. `int8` swaps its Linear layers for weight-only int8 ones (one-row
+    steps only); `head_tokens` restricts its output head to that many common tokens plus the prompt's.
+    Both change acceptance only, never the target's output."""
+
+    def __init__(self, model, tokenizer=None, name: str | None = None, *, int8: bool = False, head_tokens: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "spec", None) or model.config.name_or_path or "model"
+        if int8:
+            quantize_int8(model)
+        self.head = None
+        if head_tokens:
+            specials = list(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else []
+            self.head = RestrictedHead(model.get_output_embeddings(), head_tokens, specials, int8=int8)
         self.reset()
 
     def reset(self) -> None:
@@ -47,26 +58,38 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def _next_logits(self, new_tokens: torch.Tensor) -> torch.Tensor:
         self.forward_passes += 1
-        out = self.model(input_ids=new_tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+        if self.head is None:
+            out = self.model(input_ids=new_tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1].float()
+        else:  # the base model's hidden state, then our smaller head
+            hidden = self.model.base_model(input_ids=new_tokens, cache=self.cache, use_cache=True).last_hidden_state
+            logits = self.head.logits(hidden[:, -1])
         self.cached_ids = torch.cat([self.cached_ids, new_tokens.cpu()], dim=1)
-        return out.logits[:, -1].float()  # [B, V]
+        return logits  # [B, V]
 
-    def propose(self, input_ids, k, sampling: SamplingParams, generator) -> Draft:
+    def propose(self, input_ids, k, sampling: SamplingParams, generator, keep_going=None) -> Draft:
+        if self.head is not None and self.cached_ids.shape[1] == 0:  # a new sequence: its prompt joins the head
+            self.head.set_context(input_ids)
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
         pending = input_ids[:, self.cached_ids.shape[1] :].to(self.model.device)
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for i in range(k):
+            if i and keep_going is not None and not keep_going(i, confidence[-1]):
+                break
             logits = self._next_logits(pending)
             if sampling.greedy:
                 token = logits.argmax(-1)
+                conf = torch.softmax(logits[0], -1)[token[0]]
             else:
                 q = logits_to_probs(logits, sampling)
                 token = sample(q, generator)
                 probs.append(q)
+                conf = q[0, token[0]]
             tokens.append(token)
+            confidence.append(float(conf))
             pending = token[:, None]
-        return Draft(torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None)
+        return Draft(torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None, confidence, self.name)
 
     def commit(self, input_ids: torch.Tensor) -> None:
         keep = common_prefix_len(self.cached_ids[0], input_ids[0].cpu())

@@ -17,8 +17,9 @@ class NgramDrafter(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.last_match_len = 0  # length of the suffix that matched in the last propose (0: none)
 
-    def propose(self, input_ids, k, sampling, generator) -> Draft:
+    def propose(self, input_ids, k, sampling, generator, keep_going=None) -> Draft:
         ids = input_ids[0]
         L = ids.shape[0]
         # Longest suffix first: a longer match predicts the continuation better.
@@ -30,5 +31,7 @@ class NgramDrafter(Drafter):
                 follow = int(starts[-1]) + n  # latest match: the most local context
                 tokens = ids[follow : follow + k]
                 if len(tokens):
-                    return Draft(tokens[None].clone())
+                    self.last_match_len = n
+                    return Draft(tokens[None].clone(), source=self.name)
+        self.last_match_len = 0
         return Draft.empty(1, input_ids.device)

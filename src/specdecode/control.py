@@ -1,0 +1,194 @@
+"""How long to draft, step by step, from what running has measured.
+
+A cost model learns, while generating, the draft time per token and the verify time as a function of
+the number of scored positions; a calibrator learns how often a drafted token with a given draft
+confidence is accepted. The adaptive controller then
+- keeps drafting only while one more token adds expected tokens faster than the step's average rate
+  (the marginal rule; the draft's confidence predicts the next acceptance);
+- skips drafting (plain decoding) when even one drafted token is expected to lose against plain
+  decoding, and probes again now and then so a change in the text can bring speculation back.
+None of this changes the output: it only decides how many tokens to propose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class Ema:
+    def __init__(self, alpha: float, value: float | None = None):
+        self.alpha, self.value = alpha, value
+
+    def update(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+class ConfidenceCalibrator:
+    """P(accept | draft confidence) in confidence bins; starts from the identity (a calibrated draft
+    is accepted with its own probability) and learns from every token the target judged."""
+
+    BINS = 10
+
+    def __init__(self, prior_weight: float = 4.0):
+        self.bins = [[(b + 0.5) / self.BINS * prior_weight, prior_weight] for b in range(self.BINS)]  # [accepted, seen]
+
+    def _bin(self, confidence: float) -> list[float]:
+        return self.bins[min(int(confidence * self.BINS), self.BINS - 1)]
+
+    def predict(self, confidence: float) -> float:
+        accepted, seen = self._bin(confidence)
+        return accepted / seen
+
+    def update(self, confidences: list[float], accepted_len: int) -> None:
+        # Tokens after the first rejection were never judged by the target: they teach nothing.
+        for i, conf in enumerate(confidences[: accepted_len + 1]):
+            b = self._bin(conf)
+            b[0] += 1.0 if i < accepted_len else 0.0
+            b[1] += 1.0
+
+
+@dataclass
+class CostModel:
+    """Seconds per draft token and per verify pass of n positions, as moving averages."""
+
+    alpha: float = 0.2
+    draft_token_s: dict[str, Ema] = field(default_factory=dict)
+    verify_s: dict[int, Ema] = field(default_factory=dict)
+
+    def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.draft_token_s.setdefault(source, Ema(self.alpha)).update(seconds / tokens)
+
+    def observe_verify(self, positions: int, seconds: float) -> None:
+        self.verify_s.setdefault(positions, Ema(self.alpha)).update(seconds)
+
+    def draft_time(self) -> float:
+        """Seconds per drafted token of the costliest drafter seen (with several, the model one)."""
+        return max((e.value for e in self.draft_token_s.values() if e.value is not None), default=0.0)
+
+    def verify_time(self, positions: int) -> float | None:
+        """Measured, or interpolated linearly between the nearest measured sizes (None: nothing yet)."""
+        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
+        if not known:
+            return None
+        for n, t in known:
+            if n == positions:
+                return t
+        below = [(n, t) for n, t in known if n < positions]
+        above = [(n, t) for n, t in known if n > positions]
+        if below and above:
+            (n0, t0), (n1, t1) = below[-1], above[0]
+            return t0 + (t1 - t0) * (positions - n0) / (n1 - n0)
+        if len(known) == 1:
+            return known[0][1]
+        (n0, t0), (n1, t1) = (known[-2], known[-1]) if below else (known[0], known[1])
+        slope = max(0.0, (t1 - t0) / (n1 - n0))
+        return max(t0, t0 + slope * (positions - n0))
+
+
+class FixedK:
+    """Always draft k tokens (the classic setting)."""
+
+    adaptive = False
+    skipped_steps = 0
+
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def plan(self, max_len: int) -> int:
+        return min(self.max_k, max_len)
+
+    def keep_going(self, drafted: int, confidence: float) -> bool:
+        return True
+
+    def trim(self, draft):
+        return draft
+
+    def observe(self, source, confidences, drafted, accepted, draft_s, verify_s) -> None:
+        pass
+
+
+class AdaptiveK:
+    """Draft length and on/off chosen per step from measured costs and calibrated acceptance."""
+
+    adaptive = True
+
+    def __init__(self, max_k: int = 8, probe_every: int = 8, min_gain: float = 1.0):
+        self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
+        self.costs = CostModel()
+        self.calibrator = ConfidenceCalibrator()
+        self.first_accept = Ema(0.2, 0.6)  # acceptance of a step's first draft token, any confidence
+        self.plain_steps = 0
+        self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
+        # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
+        self.position_accept: dict[str, list[Ema]] = {}
+        self._expected = self._elapsed = 0.0
+
+    def _verify(self, positions: int) -> float:
+        t = self.costs.verify_time(positions)
+        return t if t is not None else 0.0
+
+    def plan(self, max_len: int) -> int:
+        """0 means: do not draft this step (plain decoding)."""
+        if max_len <= 0:
+            return 0
+        t_plain, t_draft = self._verify(1), self.costs.draft_time()
+        if t_plain and t_draft and self.plain_steps < self.probe_every:
+            speculative_rate = (1 + self.first_accept.value) / (t_draft + self._verify(2))
+            if speculative_rate < self.min_gain / t_plain:
+                self.plain_steps += 1
+                self.skipped_steps += 1
+                return 0
+        self.plain_steps = 0
+        self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
+        return min(self.max_k, max_len)
+
+    def keep_going(self, drafted: int, confidence: float) -> bool:
+        """After `drafted` tokens, the last with draft confidence `confidence`: draft one more?"""
+        t_draft = self.costs.draft_time()
+        if not t_draft:
+            return True  # nothing measured yet: draft the full length once
+        accept = self.calibrator.predict(confidence)
+        self._survive *= accept
+        self._expected += self._survive
+        self._elapsed += t_draft + self._verify(drafted + 1) - self._verify(drafted)
+        gain = self._survive * accept  # the next token is predicted to fare like this one
+        cost = t_draft + self._verify(drafted + 2) - self._verify(drafted + 1)
+        return gain / max(cost, 1e-9) > self._expected / max(self._elapsed, 1e-9)
+
+    def _position_accept(self, source: str) -> list[Ema]:
+        return self.position_accept.setdefault(source, [Ema(0.2, 0.5) for _ in range(self.max_k)])
+
+    def trim(self, draft):
+        """Cut a draft made all at once (no confidence: n-gram) to the length that maximises expected
+        tokens per second, from its measured acceptance by position; verify cost is what it risks."""
+        if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1) is None:
+            return draft
+        accept = self._position_accept(draft.source)
+        best_len, best_rate = 0, 1 / max(self._verify(1), 1e-9)
+        expected, survive = 1.0, 1.0
+        for n in range(1, draft.length + 1):
+            survive *= accept[min(n, len(accept)) - 1].value
+            expected += survive
+            rate = expected / max(self._verify(n + 1), 1e-9)
+            if rate > best_rate:
+                best_len, best_rate = n, rate
+        if best_len == 0 and self.plain_steps >= self.probe_every:  # probe now and then
+            best_len, self.plain_steps = 1, 0
+        elif best_len == 0:
+            self.plain_steps += 1
+        draft.tokens = draft.tokens[:, :best_len]
+        return draft
+
+    def observe(self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.costs.observe_verify(drafted + 1, verify_s)
+        self.costs.observe_draft(source, drafted, draft_s)
+        if not drafted:
+            return
+        self.first_accept.update(1.0 if accepted else 0.0)
+        if confidences:
+            self.calibrator.update(confidences, accepted)
+        else:
+            accept = self._position_accept(source)
+            for j in range(min(drafted, accepted + 1, len(accept))):
+                accept[j].update(1.0 if j < accepted else 0.0)

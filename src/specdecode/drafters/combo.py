@@ -1,0 +1,36 @@
+"""N-gram lookup where the context has a confident match, a draft model everywhere else."""
+
+from __future__ import annotations
+
+from .base import Draft, Drafter
+from .model import ModelDrafter
+from .ngram import NgramDrafter
+
+
+class ComboDrafter(Drafter):
+    name = "auto"
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3):
+        self.model, self.ngram, self.min_match = model, ngram or NgramDrafter(), min_match
+        self.name = f"auto({model.name})"
+
+    @property
+    def forward_passes(self) -> int:
+        return self.model.forward_passes
+
+    def reset(self) -> None:
+        self.model.reset()
+        self.ngram.reset()
+
+    def check_vocab(self, vocab_size, tokenizer=None) -> None:
+        self.model.check_vocab(vocab_size, tokenizer)
+
+    def propose(self, input_ids, k, sampling, generator, keep_going=None) -> Draft:
+        # A long suffix match predicts copying well; a short one is a coin toss the model does better.
+        draft = self.ngram.propose(input_ids, k, sampling, generator)
+        if draft.length and self.ngram.last_match_len >= self.min_match:
+            return draft
+        return self.model.propose(input_ids, k, sampling, generator, keep_going)
+
+    def commit(self, input_ids) -> None:
+        self.model.commit(input_ids)

@@ -1,0 +1,169 @@
+"""Every drafter and controller keeps the output exact; the fast-draft pieces do what they claim."""
+
+import pytest
+import torch
+
+from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine
+from specdecode.bench.methods import parse_spec_method
+from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
+from specdecode.drafters import ComboDrafter, Draft
+from specdecode.drafters.quant import Int8Linear, RestrictedHead, quantize_int8
+from stats_check import fit
+from test_sampling import ALPHA, SAMPLES, VOCAB, exact_marginals, sample_second_and_third
+from tiny import random_prompt, reference_greedy, tiny_model
+
+PROMPTS = [(seed, 4 + seed % 9) for seed in range(8)]
+
+
+def fast_drafter(seed=1, vocab=96, head=48, sharpness=8.0):
+    """The near draft with int8 weights and a head restricted to `head` tokens (+ the prompt's)."""
+    model = tiny_model(seed, vocab=vocab, sharpness=sharpness)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=g) * 0.2 * model.lm_head.weight.std())
+    return ModelDrafter(model, int8=True, head_tokens=head)
+
+
+def engines(target, near_draft):
+    return {
+        "int8+head": SpeculativeEngine(target, fast_drafter(), k=5),
+        "adaptive model": SpeculativeEngine(target, ModelDrafter(near_draft), k=6, adaptive=True),
+        "adaptive ngram": SpeculativeEngine(target, NgramDrafter(), k=6, adaptive=True),
+        "auto": SpeculativeEngine(target, ComboDrafter(fast_drafter(), min_match=2), k=6, adaptive=True),
+    }
+
+
+@pytest.mark.parametrize("which", ["int8+head", "adaptive model", "adaptive ngram", "auto"])
+def test_greedy_output_equals_target_greedy(target, near_draft, which):
+    engine = engines(target, near_draft)[which]
+    for seed, n in PROMPTS:  # one engine across prompts: the controller keeps learning between them
+        prompt = random_prompt(seed, n)
+        result = engine.generate(prompt, max_new_tokens=30).result()
+        assert result.token_ids == reference_greedy(target, prompt, 30), f"{which}, prompt {seed}"
+
+
+def test_fast_drafter_still_gets_accepted(target):
+    stats = SpeculativeEngine(target, fast_drafter(), k=4).generate(random_prompt(2, 8), max_new_tokens=40).result().stats
+    assert stats.acceptance_rate > 0.3, stats.acceptance_rate
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)], ids=["T1", "T0.8-p0.9"])
+def test_restricted_head_sampling_is_lossless(params):
+    """q = 0 outside the draft's head: the residual must cover those tokens exactly."""
+    target = tiny_model(11, vocab=VOCAB, sharpness=6.0)
+    drafter = fast_drafter(seed=12, vocab=VOCAB, head=6, sharpness=6.0)
+    engine = SpeculativeEngine(target, drafter, k=2)
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
+    exact2, exact3 = exact_marginals(target, prompt, params)
+    results = [fit(second, exact2), fit(third, exact3)]
+    assert all(pv > ALPHA for pv, _ in results), results
+
+
+def test_auto_sampling_is_lossless():
+    target = tiny_model(11, vocab=VOCAB, sharpness=6.0)
+    engine = SpeculativeEngine(target, ComboDrafter(fast_drafter(seed=12, vocab=VOCAB, head=8, sharpness=6.0), min_match=1), k=3, adaptive=True)
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    params = SamplingParams(temperature=1.0)
+    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
+    exact2, exact3 = exact_marginals(target, prompt, params)
+    results = [fit(second, exact2), fit(third, exact3)]
+    assert all(pv > ALPHA for pv, _ in results), results
+
+
+def test_int8_linear_is_close_to_the_original_for_one_row_and_exact_for_many():
+    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    q = Int8Linear(linear)
+    one, many = torch.randn(1, 1, 64, dtype=torch.bfloat16), torch.randn(1, 7, 64, dtype=torch.bfloat16)
+    assert torch.allclose(q(one).float(), linear(one).float(), atol=0.05, rtol=0.05)
+    assert torch.equal(q(many), linear(many))  # wide passes keep the original weights
+
+
+def test_quantize_int8_swaps_linears_but_not_the_head():
+    model = tiny_model(4).to(torch.bfloat16)
+    swapped = quantize_int8(model)
+    assert swapped == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert isinstance(model.lm_head, torch.nn.Linear)
+
+
+def test_restricted_head_matches_full_head_on_its_tokens():
+    lm_head = torch.nn.Linear(16, 40, bias=False)
+    head = RestrictedHead(lm_head, base=10, specials=[39], int8=False)
+    head.set_context(torch.tensor([[25, 3]]))
+    hidden = torch.randn(2, 16)
+    logits, full = head.logits(hidden), lm_head(hidden)
+    kept = torch.tensor(sorted(set(range(10)) | {25, 39}))
+    assert torch.allclose(logits[:, kept], full[:, kept])
+    outside = torch.ones(40, dtype=torch.bool)
+    outside[kept] = False
+    assert torch.isinf(logits[:, outside]).all()
+
+
+def test_ngram_prefers_the_longest_suffix_match():
+    ids = torch.tensor([[7, 1, 2, 9, 9, 5, 1, 2, 3, 8, 4, 0, 5, 1, 2]])
+    #  suffix [5, 1, 2] occurs at 5..7 (followed by 3, 8); [1, 2] alone last occurs at 6..7 too, and at 1..2 (followed by 9)
+    draft = NgramDrafter(max_ngram=3).propose(ids, 2, SamplingParams(), None)
+    assert draft.tokens.tolist() == [[3, 8]]
+    assert NgramDrafter(max_ngram=3).propose(torch.tensor([[1, 2, 3]]), 2, SamplingParams(), None).length == 0
+
+
+def test_calibrator_learns_that_confident_drafts_get_rejected():
+    cal = ConfidenceCalibrator()
+    for _ in range(50):
+        cal.update([0.95, 0.95], accepted_len=0)  # first token rejected, second never judged
+    assert cal.predict(0.95) < 0.2
+    assert cal.predict(0.55) == pytest.approx(0.55)  # untouched bins keep the prior
+
+
+def test_cost_model_interpolates_verify_time():
+    costs = CostModel(alpha=1.0)
+    costs.observe_verify(1, 0.20)
+    costs.observe_verify(5, 0.28)
+    assert costs.verify_time(3) == pytest.approx(0.24)
+    assert costs.verify_time(9) == pytest.approx(0.36)
+
+
+def test_adaptive_falls_back_to_plain_and_probes_again():
+    ctl = AdaptiveK(max_k=6, probe_every=4)
+    for _ in range(10):  # an expensive draft the target always rejects
+        ctl.observe("model", [0.9], drafted=1, accepted=0, draft_s=0.5, verify_s=0.2)
+        ctl.observe("model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.2)
+    plans = [ctl.plan(10) for _ in range(10)]
+    assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0  # 4 plain steps, then a probe
+    assert ctl.skipped_steps >= 8
+
+
+def test_adaptive_drafts_long_when_cheap_and_accepted():
+    ctl = AdaptiveK(max_k=8)
+    for _ in range(20):
+        ctl.observe("model", [0.99] * 8, drafted=8, accepted=8, draft_s=0.08, verify_s=0.25)
+        ctl.observe("model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.24)
+    assert ctl.plan(20) == 8
+    assert all(ctl.keep_going(i, 0.99) for i in range(1, 5))
+    ctl.plan(20)
+    assert not ctl.keep_going(1, 0.05)  # a draft token this unsure: stop drafting
+
+
+def test_adaptive_trims_ngram_drafts_that_never_hit():
+    ctl = AdaptiveK(max_k=8)
+    for _ in range(30):
+        ctl.observe("ngram", None, drafted=8, accepted=0, draft_s=0.0, verify_s=0.30)
+        ctl.observe("ngram", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.20)
+    draft = ctl.trim(Draft(torch.arange(8)[None], source="ngram"))
+    assert draft.length == 0
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("spec", ("qwen", 5, False)),
+        ("spec:ngram", ("ngram", 5, False)),
+        ("spec:ngram:8", ("ngram", 8, False)),
+        ("spec:auto", ("auto", 5, True)),
+        ("spec:auto:a8", ("auto", 8, True)),
+        ("spec:auto:qwen", ("auto:qwen", 5, True)),
+        ("spec:qwen+int8+head:a6", ("qwen+int8+head", 6, True)),
+    ],
+)
+def test_parse_spec_method(name, expected):
+    assert parse_spec_method(name, "qwen", 5) == expected
