@@ -159,11 +159,11 @@ def test_adaptive_trims_ngram_drafts_that_never_hit():
         ("spec", ("qwen", 5, False)),
         ("spec:ngram", ("ngram", 5, False)),
         ("spec:ngram:8", ("ngram", 8, False)),
-        ("spec:auto", ("auto", 5, True)),
+        ("spec:auto", ("auto", 8, True)),
         ("spec:auto:a8", ("auto", 8, True)),
-        ("spec:auto:qwen", ("auto:qwen", 5, True)),
+        ("spec:auto:qwen", ("auto:qwen", 8, True)),
         ("spec:qwen+int8+head:a6", ("qwen+int8+head", 6, True)),
     ],
 )
 def test_parse_spec_method(name, expected):
-    assert parse_spec_method(name, "qwen", 5) == expected
+    assert parse_spec_method(name, "qwen", None) == expected

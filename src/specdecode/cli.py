@@ -20,7 +20,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--k", type=int, default=5, help="draft length: tokens proposed per step (the maximum when adaptive)")
+    p.add_argument("--k", type=int, default=None, help="draft length (default 5), or its maximum when adaptive (default 8)")
     p.add_argument(
         "--adaptive", action=argparse.BooleanOptionalAction, default=None,
         help="choose the draft length (and plain decoding) per step from measured costs (default: on for auto)",
@@ -100,7 +100,8 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     completion = generation.result()
-    label = "plain" if decoder.drafter is None else f"speculative ({decoder.drafter.name}, k={args.k})"
+    engine = decoder.engine
+    label = "plain" if decoder.drafter is None else f"speculative ({decoder.drafter.name}, {'adaptive k≤' if engine.controller else 'k='}{engine.k})"
     rows = [(label, completion.stats.to_dict())]
     if args.compare and decoder.drafter is not None:
         err.print("[dim]running plain decoding for comparison ...[/dim]")

@@ -114,9 +114,11 @@ class SpeculativeEngine:
         stats.target_passes += 1
         first = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling), generator)
         ids = torch.cat([input_ids, first[:, None]], dim=1)  # [1, L+1]
+        stats.time_to_first_token_s = time.perf_counter() - started
         if drafter is not None:
             drafter.reset()
-        stats.time_to_first_token_s = time.perf_counter() - started
+            drafter.prefill(input_ids)  # the draft reads the prompt once; not a draft step's cost
+            stats.draft_prefill_s = time.perf_counter() - started - stats.time_to_first_token_s
         new = [int(first)]
 
         while True:
@@ -141,12 +143,13 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             draft = Draft.empty()
             if drafter is not None:
-                draft_len = controller.plan(max_new_tokens - len(generated) - 1)
+                budget = max_new_tokens - len(generated) - 1
+                draft_len = controller.plan(budget)
                 if draft_len > 0:
                     passes_before = drafter.forward_passes
                     draft = controller.trim(drafter.propose(ids, draft_len, sampling, generator, controller.keep_going))
                     stats.draft_passes += drafter.forward_passes - passes_before
-                else:
+                if draft.length == 0 and budget > 0:
                     stats.plain_steps += 1
             t1 = time.perf_counter()
 

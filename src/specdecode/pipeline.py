@@ -24,6 +24,8 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None)
 
 
+DEFAULT_K = 5  # fixed draft length
+DEFAULT_MAX_K = 8  # the most an adaptive controller may draft
 DRAFT_HEAD_TOKENS = 32768  # the restricted draft head: ~5x cheaper than Qwen's 151,936-token head
 
 
@@ -121,13 +123,15 @@ class SpecDecoder:
 
     @classmethod
     def from_specs(
-        cls, target: str, draft: str | None = None, *, dtype=None, k: int = 5, adaptive: bool | None = None, threads: int | None = None
+        cls, target: str, draft: str | None = None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
+        threads: int | None = None,
     ):
-        """adaptive=None: on for the 'auto' drafter, off otherwise."""
+        """adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive."""
         if threads:
             torch.set_num_threads(threads)
         model, tokenizer = load_model(target, dtype=dtype)
         adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
+        k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
         return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer), k=k, adaptive=adaptive)
 
     @property

@@ -19,6 +19,7 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)
     accepted_len_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
     time_to_first_token_s: float = 0.0
+    draft_prefill_s: float = 0.0  # the draft model reading the prompt (after the first token is out)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0

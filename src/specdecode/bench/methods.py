@@ -18,7 +18,7 @@ import torch
 
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
-from ..pipeline import make_drafter, model_spec_of
+from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, make_drafter, model_spec_of
 from ..sampling import SamplingParams
 from ..stopping import StopCondition
 
@@ -108,15 +108,16 @@ class HFMethod(Method):
         return Run(tokens, (timer.first_token_at or start + latency) - start, latency, {"new_tokens": len(tokens)})
 
 
-def parse_spec_method(name: str, default_draft: str, default_k: int) -> tuple[str, int, bool]:
+def parse_spec_method(name: str, default_draft: str, default_k: int | None) -> tuple[str, int, bool]:
     """'spec[:DRAFTER[:K]]' -> (drafter spec, k, adaptive). K is a number (fixed) or aN (adaptive, at
-    most N); without K, the `auto` drafters are adaptive and the others fixed."""
+    most N); without K, the `auto` drafters are adaptive (k ≤ 8) and the others fixed (k = 5)."""
     parts = name.split(":", 1)[1].rsplit(":", 1) if ":" in name else [default_draft]
     if len(parts) == 2 and not parts[1].lstrip("a").isdigit():  # 'auto:MODEL' carries no K
         parts = [":".join(parts)]
     spec = parts[0] or default_draft
     if len(parts) == 1:
-        return spec, default_k, spec.startswith("auto")
+        adaptive = spec.startswith("auto")
+        return spec, default_k or (DEFAULT_MAX_K if adaptive else DEFAULT_K), adaptive
     return spec, int(parts[1].lstrip("a")), parts[1].startswith("a")
 
 
@@ -133,7 +134,7 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
     methods: list[Method] = []
     for name in names:
         if name == "plain":
-            methods.append(OursMethod(name, target, tokenizer, eos, None, default_k))
+            methods.append(OursMethod(name, target, tokenizer, eos, None, DEFAULT_K))
         elif name == "spec" or name.startswith("spec:"):
             spec, k, adaptive = parse_spec_method(name, default_draft, default_k)
             methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k, adaptive))

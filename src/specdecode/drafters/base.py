@@ -40,6 +40,9 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget the previous sequence."""
 
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """Read a new sequence's prompt [B, L] ahead of the first propose (so that cost is not a draft step's)."""
+
     @abstractmethod
     def propose(
         self,

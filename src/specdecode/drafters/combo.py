@@ -22,6 +22,9 @@ class ComboDrafter(Drafter):
         self.model.reset()
         self.ngram.reset()
 
+    def prefill(self, prompt_ids) -> None:
+        self.model.prefill(prompt_ids)
+
     def check_vocab(self, vocab_size, tokenizer=None) -> None:
         self.model.check_vocab(vocab_size, tokenizer)
 

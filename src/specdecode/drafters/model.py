@@ -67,9 +67,12 @@ class ModelDrafter(Drafter):
         self.cached_ids = torch.cat([self.cached_ids, new_tokens.cpu()], dim=1)
         return logits  # [B, V]
 
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        if self.head is not None:  # the prompt's tokens join the restricted head
+            self.head.set_context(prompt_ids)
+        self._next_logits(prompt_ids.to(self.model.device))
+
     def propose(self, input_ids, k, sampling: SamplingParams, generator, keep_going=None) -> Draft:
-        if self.head is not None and self.cached_ids.shape[1] == 0:  # a new sequence: its prompt joins the head
-            self.head.set_context(input_ids)
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
         pending = input_ids[:, self.cached_ids.shape[1] :].to(self.model.device)

@@ -66,31 +66,45 @@ def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int
 class RestrictedHead:
     """The draft's output head over a subset of the vocabulary: the `base` most common token ids
     (byte-level BPE ids are roughly in frequency order), the special tokens, and each prompt's own
-    tokens (so copying from the context stays possible)."""
+    tokens (so copying from the context stays possible). The base part is prepared once; a prompt
+    adds a small extra block."""
 
     def __init__(self, lm_head: nn.Linear, base: int, specials: list[int], int8: bool):
         self.weight = lm_head.weight.detach()
         self.vocab = self.weight.shape[0]
-        self.base_ids = torch.unique(torch.cat([torch.arange(min(base, self.vocab)), torch.tensor(specials, dtype=torch.long)]))
         self.int8 = int8 and int8_available()
+        base_ids = torch.cat([torch.arange(min(base, self.vocab)), torch.tensor(specials, dtype=torch.long)])
+        self.base = self._block(torch.unique(base_ids))
+        self.in_base = torch.zeros(self.vocab, dtype=torch.bool)
+        self.in_base[self.base[0].cpu()] = True
         self.set_context(torch.empty(0, dtype=torch.long))
 
-    def set_context(self, prompt_ids: torch.Tensor) -> None:
-        ids = torch.unique(torch.cat([self.base_ids, prompt_ids.flatten().cpu()]))
-        self.ids = ids.to(self.weight.device)
-        weight = self.weight.index_select(0, self.ids)
+    def _block(self, ids: torch.Tensor) -> tuple:
+        ids = ids.to(self.weight.device)
+        weight = self.weight.index_select(0, ids)
         if self.int8:
-            self.qweight, scale = _quantize_rows(weight)
-            self.scale = scale.to(weight.dtype)
-        else:
-            self.sub_weight = weight
+            qweight, scale = _quantize_rows(weight)
+            return ids, qweight, scale.to(weight.dtype)
+        return ids, weight, None
+
+    def set_context(self, prompt_ids: torch.Tensor) -> None:
+        extra = torch.unique(prompt_ids.flatten().cpu())
+        extra = extra[~self.in_base[extra]]
+        self.extra = self._block(extra) if len(extra) else None
+        self.ids = self.base[0] if self.extra is None else torch.cat([self.base[0], self.extra[0]])
+
+    def _apply(self, block: tuple, hidden: torch.Tensor) -> torch.Tensor:
+        _, weight, scale = block
+        if scale is not None and hidden.dtype == scale.dtype and hidden.device.type == "cpu":
+            return torch.ops.aten._weight_int8pack_mm(hidden, weight, scale)
+        if scale is not None:
+            return (hidden.float() @ weight.float().T) * scale.float()
+        return hidden @ weight.T
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, H] hidden -> [B, V] fp32 logits, -inf outside the subset."""
-        if self.int8 and hidden.dtype == self.scale.dtype and hidden.device.type == "cpu":
-            sub = torch.ops.aten._weight_int8pack_mm(hidden, self.qweight, self.scale)
-        else:
-            sub = hidden @ self.sub_weight.T
         full = torch.full((hidden.shape[0], self.vocab), float("-inf"), device=hidden.device)
-        full[:, self.ids] = sub.float()
+        full[:, self.base[0]] = self._apply(self.base, hidden).float()
+        if self.extra is not None:
+            full[:, self.extra[0]] = self._apply(self.extra, hidden).float()
         return full
