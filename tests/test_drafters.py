@@ -167,3 +167,35 @@ def test_adaptive_trims_ngram_drafts_that_never_hit():
 )
 def test_parse_spec_method(name, expected):
     assert parse_spec_method(name, "qwen", None) == expected
+
+
+def test_self_drafter_shares_weights_and_keeps_the_target_whole():
+    from specdecode import SelfDrafter
+
+    target = tiny_model(21, layers=3, sharpness=8.0)
+    drafter = SelfDrafter(target, layers=1)
+    assert len(target.model.layers) == 3 and target.config.num_hidden_layers == 3
+    assert len(drafter.model.model.layers) == 1
+    assert drafter.model.model.layers[0] is target.model.layers[0]
+    assert drafter.model.lm_head is target.lm_head
+    for seed, n in PROMPTS[:4]:
+        prompt = random_prompt(seed, n)
+        result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=20).result()
+        assert result.token_ids == reference_greedy(target, prompt, 20)
+        assert result.stats.draft_passes > 0
+
+
+def test_self_drafter_calibrates_on_the_first_prompt():
+    from specdecode import SelfDrafter
+    from specdecode.drafters.early_exit import calibrate_layers, early_exit_agreement
+
+    target = tiny_model(21, layers=3, sharpness=8.0)
+    prompt = random_prompt(1, 24)
+    agreement = early_exit_agreement(target, prompt)
+    assert len(agreement) == 2 and all(0.0 <= a <= 1.0 for a in agreement)
+    layers, rate = calibrate_layers(target, prompt)
+    assert layers is None or (1 <= layers < 3 and rate > 1.0)
+    drafter = SelfDrafter(target)  # calibrates at its first prefill; proposes nothing if no depth pays
+    result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=12).result()
+    assert result.token_ids == reference_greedy(target, prompt, 12)
+    assert drafter.layers == layers

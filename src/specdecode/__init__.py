@@ -1,7 +1,7 @@
 """specdecode: speculative decoding for causal language models — the target's answers, fewer target passes."""
 
 from .api import GenerateOutput, generate
-from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
+from .drafters import ComboDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from .engine import GenerationResult, SpeculativeEngine
 from .models import BUILTINS, ModelError, load_model
 from .pipeline import Completion, SpecDecoder
@@ -10,6 +10,8 @@ from .stats import GenerationStats
 
 __all__ = [
     "BUILTINS",
+    "ComboDrafter",
+    "SelfDrafter",
     "Completion",
     "Draft",
     "Drafter",

@@ -15,7 +15,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
-        help=f"drafter: a model spec (with +int8, +head options), 'ngram' (prompt lookup), 'auto[:MODEL]' "
+        help=f"drafter: a model spec (with +int8, +head options), 'ngram' (prompt lookup), 'self[:L]' (the "
+        f"target's first L layers), 'auto[:MODEL]' "
         f"(n-gram where the context matches, else the fast model draft; adaptive) or 'none' (default {DEFAULT_DRAFT})",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")

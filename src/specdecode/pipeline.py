@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter
+from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from .engine import Generation, SpeculativeEngine
 from .models import DEFAULT_DRAFT, load_model
 from .sampling import SamplingParams
@@ -38,10 +38,11 @@ def model_spec_of(drafter_spec: str) -> str:
     return drafter_spec.split("+")[0]
 
 
-def make_drafter(spec: str | None, dtype=None, tokenizer=None) -> Drafter | None:
+def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> Drafter | None:
     """A drafter from a spec:
     - None / 'none': no drafter (plain decoding);
     - 'ngram': prompt lookup in the prompt and the text so far;
+    - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
     - 'MODEL[+int8][+head]': a draft model, optionally with int8 weights and a restricted head;
     - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int8 and restricted head.
     """
@@ -49,6 +50,13 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None) -> Drafter | None
         return None
     if spec == "ngram":
         return NgramDrafter()
+    if spec == "self" or spec.startswith("self:"):
+        if target is None:
+            raise ValueError("the 'self' drafter needs the target model")
+        layers = spec.partition(":")[2]
+        if layers and not layers.isdigit():
+            raise ValueError(f"'self:L' takes a number of layers, got {spec!r}")
+        return SelfDrafter(target, int(layers) if layers else None, tokenizer)
     model_spec = model_spec_of(spec)
     options = {"int8", "head"} if spec.startswith("auto") else set(spec.split("+")[1:])
     unknown = options - {"int8", "head"}
@@ -132,7 +140,7 @@ class SpecDecoder:
         model, tokenizer = load_model(target, dtype=dtype)
         adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
         k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
-        return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer), k=k, adaptive=adaptive)
+        return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer, target=model), k=k, adaptive=adaptive)
 
     @property
     def drafter(self) -> Drafter | None:

@@ -127,7 +127,7 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
 
     def drafter_for(spec: str) -> Drafter | None:
         if spec not in drafters:
-            drafters[spec] = make_drafter(spec, dtype=dtype, tokenizer=tokenizer)
+            drafters[spec] = make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=target)
         return drafters[spec]
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -141,7 +141,7 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
         elif name == "hf-greedy":
             methods.append(HFMethod(name, target, eos, pad))
         elif name == "hf-assisted":
-            if default_draft in ("none", "ngram"):
+            if default_draft in ("none", "ngram") or default_draft.startswith("self"):
                 raise ValueError(f"hf-assisted needs a draft model, but --draft is {default_draft!r}")
             model_spec = model_spec_of(default_draft)  # transformers gets the plain model, never our int8 one
             methods.append(HFMethod(name, target, eos, pad, assistant_model=drafter_for(model_spec).model))

@@ -115,7 +115,19 @@ def plot(rows: list[dict], summary: dict, out: Path) -> list[Path]:
 
     methods = list(summary["overall"])
     tasks = list(summary["tasks"])
+    ours = [m for m in methods if any(r["method"] == m and r["stats"].get("drafted_tokens") for r in rows)]
     paths = []
+
+    def save(fig, ax, name: str, title: str, xlabel: str, ylabel: str) -> None:
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks) + 2), 4))
     shown = [m for m in methods if m != "plain"]
@@ -125,58 +137,28 @@ def plot(rows: list[dict], summary: dict, out: Path) -> list[Path]:
         ax.bar(np.arange(len(tasks)) + i * width, values, width, label=method)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(np.arange(len(tasks)) + width * (len(shown) - 1) / 2, tasks, rotation=20)
-    ax.set_ylabel("median speedup vs plain (×)")
-    ax.legend(fontsize=8)
-    ax.set_title("Speedup by task")
-    fig.tight_layout()
-    paths.append(out / "speedup_by_task.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "speedup_by_task.png", "Speedup by task", "", "median speedup vs plain (×)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in methods:
         lat = np.sort([r["latency_s"] for r in rows if r["method"] == method])
         ax.step(lat, np.arange(1, len(lat) + 1) / len(lat), where="post", label=method)
-    ax.set_xlabel("request latency (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Latency CDF")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "latency_cdf.png", "Latency CDF", "request latency (s)", "fraction of requests")
 
-    ours = [m for m in methods if any(r["method"] == m and r["stats"].get("drafted_tokens") for r in rows)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for method in ours:
         drafted = _sum_lists([r["stats"]["drafted_per_position"] for r in rows if r["method"] == method])
         accepted = _sum_lists([r["stats"]["accepted_per_position"] for r in rows if r["method"] == method], len(drafted))
         ax.plot(range(1, len(drafted) + 1), [a / d if d else 0 for a, d in zip(accepted, drafted)], marker="o", label=method)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate (of drafts reaching it)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance by draft position")
-    if ours:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "acceptance_by_position.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "acceptance_by_position.png", "Acceptance by draft position", "draft position", "acceptance rate (of drafts reaching it)")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.8 / max(1, len(ours))
     for i, method in enumerate(ours):
         hist = np.array(_sum_lists([r["stats"]["accepted_len_histogram"] for r in rows if r["method"] == method]), float)
         ax.bar(np.arange(len(hist)) + i * width, hist / max(hist.sum(), 1), width, label=method)
-    ax.set_xlabel("draft tokens accepted in a step")
-    ax.set_ylabel("fraction of steps")
-    ax.set_title("Accepted length per step")
-    if ours:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "accepted_length_hist.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    save(fig, ax, "accepted_length_hist.png", "Accepted length per step", "draft tokens accepted in a step", "fraction of steps")
     return paths
 
 
