@@ -14,10 +14,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
     p.add_argument(
         "--draft",
-        default=DEFAULT_DRAFT,
+        default="auto",
         help=f"drafter: a model spec (with +int8, +head options), 'ngram' (prompt lookup), 'self[:L]' (the "
         f"target's first L layers), 'auto[:MODEL]' "
-        f"(n-gram where the context matches, else the fast model draft; adaptive) or 'none' (default {DEFAULT_DRAFT})",
+        f"(n-gram where the context matches, else the int8 + restricted-head {DEFAULT_DRAFT}; adaptive; the default) or 'none'",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -259,7 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     _add_sampling_args(b)
     _add_prompt_args(b)
-    b.add_argument("--methods", default="plain,spec,hf-greedy,hf-assisted,hf-pld", help="comma-separated; see `specdecode.bench.methods`")
+    b.add_argument(
+        "--methods",
+        default="plain,spec,hf-greedy,hf-assisted,hf-pld",
+        help="comma-separated: plain, spec[:DRAFTER[:K|aK]], hf-greedy, hf-assisted, hf-pld (see specdecode.bench.methods)",
+    )
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method; the median is kept")
     b.add_argument("--out", default="bench-out", help="output directory")
     b.add_argument("--no-chat", action="store_true", help="feed prompts as raw text instead of through the chat template")

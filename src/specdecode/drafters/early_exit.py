@@ -79,8 +79,8 @@ class SelfDrafter(ModelDrafter):
         n_layers = self.target.config.num_hidden_layers
         if not 1 <= layers < n_layers:
             raise ValueError(f"self-speculation needs 1 <= layers < {n_layers} (the target's depth), got {layers}")
+        self.layers = layers  # before ModelDrafter's init, whose reset() needs it
         super().__init__(_shallow_model(self.target, layers), self.tokenizer, name=f"self:{layers}")
-        self.layers = layers
 
     def reset(self) -> None:
         if self.layers is not None:
