@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -63,6 +64,11 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
     if unknown:
         raise ValueError(f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 and/or +head")
     model, draft_tokenizer = load_model(model_spec, dtype=dtype)
+    if spec == "auto" and target is not None and model.config.vocab_size != target.config.vocab_size:
+        # The built-in draft speaks another vocabulary: plain `auto` still has the n-gram drafter.
+        print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with n-gram lookup only"
+              " (name a draft model with auto:MODEL)", file=sys.stderr)
+        return NgramDrafter()
     drafter = ModelDrafter(
         model,
         draft_tokenizer,
