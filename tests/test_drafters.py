@@ -199,3 +199,13 @@ def test_self_drafter_calibrates_on_the_first_prompt():
     result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=12).result()
     assert result.token_ids == reference_greedy(target, prompt, 12)
     assert drafter.layers == layers
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 9])
+def test_long_ngram_drafts_respect_the_budget(target, max_new_tokens):
+    """auto lets n-gram drafts run past k; never past max_new_tokens."""
+    prompt = random_prompt(6, 5)
+    drafter = ComboDrafter(fast_drafter(), min_match=1, ngram_stretch=4)
+    result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=max_new_tokens).result()
+    assert result.token_ids == reference_greedy(target, prompt, max_new_tokens)
+    assert result.stats.drafted_tokens <= result.stats.steps * (max_new_tokens - 1)

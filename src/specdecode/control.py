@@ -177,7 +177,7 @@ class AdaptiveK:
             best_len, self.plain_steps = 1, 0
         elif best_len == 0:
             self.plain_steps += 1
-        draft.tokens = draft.tokens[:, :best_len]
+        draft.truncate(best_len)
         return draft
 
     def observe(self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:

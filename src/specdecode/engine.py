@@ -148,6 +148,7 @@ class SpeculativeEngine:
                 if draft_len > 0:
                     passes_before = drafter.forward_passes
                     draft = controller.trim(drafter.propose(ids, draft_len, sampling, generator, controller.keep_going))
+                    draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
                     stats.draft_passes += drafter.forward_passes - passes_before
                 if draft.length == 0 and budget > 0:
                     stats.plain_steps += 1

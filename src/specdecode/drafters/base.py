@@ -22,6 +22,13 @@ class Draft:
     def length(self) -> int:
         return self.tokens.shape[1]
 
+    def truncate(self, length: int) -> None:
+        """Keep at most the first `length` tokens."""
+        if self.length > length:
+            self.tokens = self.tokens[:, :length]
+            self.probs = None if self.probs is None else self.probs[:, :length]
+            self.confidence = None if self.confidence is None else self.confidence[:length]
+
     @staticmethod
     def empty(batch: int = 1, device: torch.device | str = "cpu") -> "Draft":
         return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
