@@ -64,3 +64,8 @@ def test_cli_reports_bad_input_without_traceback(capsys, monkeypatch):
     assert main(["generate", "--target", "no-such-model", "--draft", "none", "hi"]) == 2
     err = capsys.readouterr().err
     assert "specdecode: error:" in err and "no-such-model" in err and "Traceback" not in err
+
+
+def test_request_beyond_the_context_window(engine):
+    with pytest.raises(ValueError, match="context window \\(512 tokens\\)"):
+        engine.generate(random_prompt(0, 20), max_new_tokens=500)

@@ -87,6 +87,12 @@ class SpeculativeEngine:
         k = kwargs.pop("k", None)
         k = self.k if k is None else k
         validate_request(input_ids, kwargs.get("max_new_tokens", 0), k)
+        window = getattr(self.target.config, "max_position_embeddings", None)
+        if window and input_ids.shape[1] + kwargs["max_new_tokens"] > window:
+            raise ValueError(
+                f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({kwargs['max_new_tokens']}) exceeds the "
+                f"model's context window ({window} tokens)"
+            )
         return Generation(self._steps(result, input_ids.cpu(), k=k, **kwargs), result)
 
     def _steps(
