@@ -89,9 +89,6 @@ class CostModel:
 class FixedK:
     """Always draft k tokens (the classic setting)."""
 
-    adaptive = False
-    skipped_steps = 0
-
     def __init__(self, k: int):
         self.max_k = k
 
@@ -110,8 +107,6 @@ class FixedK:
 
 class AdaptiveK:
     """Draft length and on/off chosen per step from measured costs and calibrated acceptance."""
-
-    adaptive = True
 
     def __init__(self, max_k: int = 8, probe_every: int = 8, min_gain: float = 1.0):
         self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
