@@ -71,3 +71,82 @@ def summarize_greedy(cases: list[GreedyCase]) -> dict:
         divergences=sum(c.verdict == "DIVERGENCE" for c in cases),
         cases=[asdict(c) for c in cases],
     )
+
+
+@dataclass
+class SamplingCase:
+    id: str
+    position: int  # generated-token index (0 is sampled by the prefill alone, so checks start at 1)
+    samples: int
+    pvalue: float
+    tvd: float
+    verdict: str  # PASS | FAIL | INCONCLUSIVE (too few samples: most tokens too rare to test)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "PASS"
+
+
+def two_sample_test(a: list[int], b: list[int], min_expected: float = 5.0) -> tuple[float, float, float]:
+    """(chi-square p-value, total-variation distance, pooled fraction) for two token samples sharing one
+    distribution. Tokens too rare for the chi-square approximation are pooled into one bin; the pooled
+    fraction says how much of the samples the test could not tell apart token by token."""
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    tokens = sorted(set(a) | set(b))
+    index = {t: i for i, t in enumerate(tokens)}
+    counts = np.zeros((2, len(tokens)))
+    for row, sample in enumerate((a, b)):
+        for t in sample:
+            counts[row, index[t]] += 1
+    tvd = 0.5 * float(np.abs(counts[0] / len(a) - counts[1] / len(b)).sum())
+    total = counts.sum(0)
+    common = total >= 2 * min_expected
+    table = np.concatenate([counts[:, common], counts[:, ~common].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    pooled = float(counts[:, ~common].sum() / counts.sum())
+    if table.shape[1] < 2:
+        return 1.0, tvd, pooled  # a single bin: nothing to compare
+    return float(chi2_contingency(table).pvalue), tvd, pooled
+
+
+def check_sampling(
+    decoder: SpecDecoder,
+    prompts: list[Prompt],
+    *,
+    samples: int,
+    positions: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    alpha: float = 1e-3,
+    max_pooled: float = 0.2,
+    chat: bool = True,
+    progress=None,
+) -> list[SamplingCase]:
+    """Draw `samples` completions of `positions + 1` tokens per prompt with speculative and with plain
+    sampling (disjoint seeds), and test per generated position that both follow one distribution.
+    A position where more than `max_pooled` of the samples are tokens too rare to test is INCONCLUSIVE."""
+    cases = []
+    for prompt in prompts:
+        drawn = {True: [], False: []}
+        for speculate in (True, False):
+            for i in range(samples):
+                seed = 2 * i + int(speculate)
+                completion = decoder.generate(
+                    prompt.text, chat=chat, max_new_tokens=positions + 1, temperature=temperature, top_p=top_p,
+                    top_k=top_k, seed=seed, speculate=speculate,
+                )
+                drawn[speculate].append(completion.token_ids)
+        for position in range(1, positions + 1):
+            spec = [ids[position] for ids in drawn[True] if len(ids) > position]
+            plain = [ids[position] for ids in drawn[False] if len(ids) > position]
+            if not spec or not plain:
+                continue  # every sample ended before this position
+            pvalue, tvd, pooled = two_sample_test(spec, plain)
+            verdict = "INCONCLUSIVE" if pooled > max_pooled else ("PASS" if pvalue > alpha else "FAIL")
+            cases.append(SamplingCase(prompt.id, position, min(len(spec), len(plain)), pvalue, tvd, verdict))
+            if progress:
+                progress(cases[-1])
+    return cases

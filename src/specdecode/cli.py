@@ -158,7 +158,9 @@ def _load_prompts(args):
 def cmd_check(args) -> int:
     from rich.console import Console
 
-    from .check import check_greedy, summarize_greedy
+    from dataclasses import asdict
+
+    from .check import check_greedy, check_sampling, summarize_greedy
     from .pipeline import SpecDecoder
 
     console = Console(stderr=True)
@@ -172,13 +174,34 @@ def cmd_check(args) -> int:
     console.print(f"greedy check: {len(prompts)} prompts, {args.max_new_tokens} new tokens, dtype {decoder.target.dtype}")
     summary = summarize_greedy(check_greedy(decoder, prompts, args.max_new_tokens, progress=None if args.json else show))
     passed = summary["divergences"] == 0
-    if args.json:
-        print(json.dumps(dict(greedy=summary, passed=passed)))
-    else:
+    report = dict(greedy=summary)
+    if not args.json:
         console.print(
             f"greedy: {summary['identical']} of {summary['total']} identical, {summary['near_ties']} numeric near-tie(s), "
             f"{summary['divergences']} divergence(s): {'PASS' if passed else 'FAIL'}"
         )
+    if args.temperature > 0:
+        chosen = prompts[: args.sampling_prompts]
+        console.print(
+            f"sampling check: {len(chosen)} prompt(s), {args.samples} samples each way, positions 1..{args.positions}, "
+            f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}"
+        )
+
+        def show_sampling(case):
+            hint = " (raise --samples)" if case.verdict == "INCONCLUSIVE" else ""
+            console.print(f"  {case.id} position {case.position}: p = {case.pvalue:.3g}, TVD = {case.tvd:.3f}: {case.verdict}{hint}")
+
+        cases = check_sampling(
+            decoder, chosen, samples=args.samples, positions=args.positions, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, progress=None if args.json else show_sampling,
+        )
+        report["sampling"] = [dict(asdict(c), passed=c.passed) for c in cases]
+        passed = passed and all(c.passed for c in cases)
+    report["passed"] = passed
+    if args.json:
+        print(json.dumps(report))
+    else:
+        console.print("PASS" if passed else "FAIL")
     return 0 if passed else 1
 
 
@@ -252,6 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     _add_prompt_args(c)
     c.add_argument("--max-new-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0, help="> 0 adds the sampling check at this temperature")
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--top-k", type=int, default=0)
+    c.add_argument("--samples", type=int, default=200, help="sampling check: completions per method and prompt")
+    c.add_argument("--positions", type=int, default=2, help="sampling check: generated positions tested (after the first)")
+    c.add_argument("--sampling-prompts", type=int, default=1, help="sampling check: how many of the prompts")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
 
