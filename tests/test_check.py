@@ -3,6 +3,7 @@
 import pytest
 
 import specdecode.engine as engine_module
+import specdecode.sequence as sequence_module
 from specdecode import SpecDecoder
 from specdecode.check import check_greedy, first_difference, summarize_greedy
 from specdecode.drafters import ModelDrafter, NgramDrafter
@@ -72,7 +73,7 @@ def test_sampling_check_passes_and_catches_a_wrong_rule(monkeypatch):
     prompts = [Prompt("p", "t", "3a7c91")]
     ok = check_sampling(decoder, prompts, samples=1500, positions=2, temperature=1.0, chat=False)
     assert len(ok) == 2 and all(c.passed for c in ok), ok
-    monkeypatch.setattr(engine_module, "speculative_accept", wrong_rule_resample_from_p)
+    monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
     bad = check_sampling(decoder, prompts, samples=1500, positions=2, temperature=1.0, chat=False)
     assert any(c.verdict == "FAIL" for c in bad), bad
     few = check_sampling(decoder, prompts, samples=3, positions=1, temperature=1.0, chat=False)

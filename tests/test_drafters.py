@@ -123,6 +123,30 @@ def test_cost_model_interpolates_verify_time():
     assert costs.verify_time(9) == pytest.approx(0.36)
 
 
+def test_cost_model_keys_a_batch_pass_by_the_tokens_it_scores():
+    costs = CostModel(alpha=1.0)
+    costs.observe_verify(6, 0.30)  # one row, 6 positions
+    costs.observe_verify(1, 0.40, rows=16)  # 16 rows, plain
+    assert costs.measured(1, 16) and not costs.measured(1, 8)
+    assert costs.verify_time(3, rows=2) == pytest.approx(0.30)
+    assert costs.verify_time(2, rows=8) == pytest.approx(0.40)
+
+
+def test_load_aware_control_turns_speculation_off_as_the_batch_grows():
+    """Verification is nearly free for one row but not for 16 (a pass costs more with every scored token):
+    the same measured costs make speculation pay at 1 row and lose at 16."""
+    ctl = AdaptiveK(max_k=4, probe_every=1000)
+    for rows in (1, 16):
+        for positions in (1, 2, 3, 5):
+            ctl.observe_pass(positions, rows, 0.25 + 0.004 * rows * positions)
+    for _ in range(20):
+        ctl.observe_row("model", [0.9, 0.9], drafted=2, accepted=2, draft_s=0.04)
+    ctl.rows = 1
+    assert ctl.plan(10) > 0
+    ctl.rows = 16
+    assert ctl.plan(10) == 0
+
+
 def test_adaptive_falls_back_to_plain_and_probes_again():
     ctl = AdaptiveK(max_k=6, probe_every=4)
     for _ in range(10):  # an expensive draft the target always rejects

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import specdecode.engine as engine_module
+import specdecode.sequence as sequence_module
 from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
 from specdecode.sampling import logits_to_probs
 from specdecode.verify import speculative_accept
@@ -139,7 +139,7 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair, para
 
 
 def test_distribution_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, monkeypatch):
-    monkeypatch.setattr(engine_module, "speculative_accept", wrong_rule_resample_from_p)
+    monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
     engine = SpeculativeEngine(target, ModelDrafter(draft), k=2)

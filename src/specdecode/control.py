@@ -49,7 +49,9 @@ class ConfidenceCalibrator:
 
 @dataclass
 class CostModel:
-    """Seconds per draft token and per verify pass of n positions, as moving averages."""
+    """Seconds per draft token and per verify pass, as moving averages. A verify pass is keyed by the
+    tokens it scores (rows x positions): a batch of 8 rows verifying 6 positions each costs what a
+    48-token pass costs, which is how verification stops being free as the batch grows."""
 
     alpha: float = 0.2
     draft_token_s: dict[str, Ema] = field(default_factory=dict)
@@ -59,15 +61,21 @@ class CostModel:
         if tokens:
             self.draft_token_s.setdefault(source, Ema(self.alpha)).update(seconds / tokens)
 
-    def observe_verify(self, positions: int, seconds: float) -> None:
-        self.verify_s.setdefault(positions, Ema(self.alpha)).update(seconds)
+    def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
+        self.verify_s.setdefault(rows * positions, Ema(self.alpha)).update(seconds)
+
+    def measured(self, positions: int, rows: int = 1) -> bool:
+        e = self.verify_s.get(rows * positions)
+        return e is not None and e.value is not None
 
     def draft_time(self) -> float:
         """Seconds per drafted token of the costliest drafter seen (with several, the model one)."""
         return max((e.value for e in self.draft_token_s.values() if e.value is not None), default=0.0)
 
-    def verify_time(self, positions: int) -> float | None:
-        """Measured, or interpolated linearly between the nearest measured sizes (None: nothing yet)."""
+    def verify_time(self, positions: int, rows: int = 1) -> float | None:
+        """Seconds for a pass of `rows` rows x `positions` positions: measured, or interpolated linearly
+        between the nearest measured sizes (None: nothing yet)."""
+        positions *= rows
         known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
         if not known:
             return None
@@ -104,9 +112,21 @@ class FixedK:
     def observe(self, source, confidences, drafted, accepted, draft_s, verify_s) -> None:
         pass
 
+    def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
+        pass
+
+    def observe_row(self, source, confidences, drafted, accepted, draft_s) -> None:
+        pass
+
 
 class AdaptiveK:
-    """Draft length and on/off chosen per step from measured costs and calibrated acceptance."""
+    """Draft length and on/off chosen per step from measured costs and calibrated acceptance.
+
+    In a batch (`rows` > 1) each row is charged its share of the verify pass (pass time / rows) and
+    the full time of its own draft (rows draft one after another): as the batch grows, a drafted
+    token must save more, until plain decoding wins. That is the load-aware part; at rows = 1 it is
+    the single-sequence rule.
+    """
 
     def __init__(self, max_k: int = 8, probe_every: int = 8, min_gain: float = 1.0):
         self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
@@ -118,10 +138,12 @@ class AdaptiveK:
         # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
         self.position_accept: dict[str, list[Ema]] = {}
         self._expected = self._elapsed = 0.0
+        self.rows = 1  # rows in the current batch (set by the batched engine each step)
 
     def _verify(self, positions: int) -> float:
-        t = self.costs.verify_time(positions)
-        return t if t is not None else 0.0
+        """This row's share of a verify pass where every row scores `positions` positions."""
+        t = self.costs.verify_time(positions, self.rows)
+        return t / self.rows if t is not None else 0.0
 
     def plan(self, max_len: int) -> int:
         """0 means: do not draft this step (plain decoding)."""
@@ -157,7 +179,7 @@ class AdaptiveK:
     def trim(self, draft):
         """Cut a draft made all at once (no confidence: n-gram) to the length that maximises expected
         tokens per second, from its measured acceptance by position; verify cost is what it risks."""
-        if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1) is None:
+        if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1, self.rows) is None:
             return draft
         accept = self._position_accept(draft.source)
         best_len, best_rate = 0, 1 / max(self._verify(1), 1e-9)
@@ -176,7 +198,16 @@ class AdaptiveK:
         return draft
 
     def observe(self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        self.costs.observe_verify(drafted + 1, verify_s)
+        """One single-sequence step."""
+        self.observe_pass(drafted + 1, 1, verify_s)
+        self.observe_row(source, confidences, drafted, accepted, draft_s)
+
+    def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
+        """A verify pass of `rows` rows x `positions` positions (the batch's widest draft + 1) took `seconds`."""
+        self.costs.observe_verify(positions, seconds, rows)
+
+    def observe_row(self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float) -> None:
+        """What one row drafted in `draft_s` seconds and how much of it the target accepted."""
         self.costs.observe_draft(source, drafted, draft_s)
         if not drafted:
             return

@@ -1,33 +1,26 @@
-"""The decoding loop: prefill, propose, verify, accept, roll back, stream.
+"""The decoding loop for one sequence: prefill, propose, verify, accept, roll back, stream.
 
 Plain decoding is the same loop with an empty draft, so the baseline shares every line of cache
-code with speculation. Invariant between steps: `ids` holds every committed token; the target's
-cache holds K/V for all of them but the last, which is fed at the next verify pass.
+code with speculation. The per-sequence logic lives in `sequence.Sequence`, shared with the
+batched engine (`batch.BatchEngine`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from .drafters.base import Draft, Drafter
 from .control import AdaptiveK, FixedK
+from .drafters.base import Drafter
 from .drafters.model import rollback
-from .sampling import SamplingParams, logits_to_probs, sample
-from .stats import GenerationStats
+from .sampling import SamplingParams
+from .sequence import GenerationResult, Sequence, validate_request
 from .stopping import StopCondition
-from .verify import greedy_accept, speculative_accept
 
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int] = field(default_factory=list)  # generated tokens only
-    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
+__all__ = ["Generation", "GenerationResult", "SpeculativeEngine", "validate_request"]
 
 
 class Generation:
@@ -46,15 +39,17 @@ class Generation:
         return self.partial
 
 
-def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int) -> None:
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"one sequence per call (got a batch of {input_ids.shape[0]})")
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
+def target_logits(target, tokens: torch.Tensor, cache: DynamicCache, last_only: bool = False, **kwargs) -> torch.Tensor:
+    """One target pass over tokens [B, n] on top of `cache` -> fp32 logits on the CPU [B, n or 1, V]."""
+    with torch.inference_mode():
+        out = target(
+            input_ids=tokens.to(target.device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1 if last_only else 0,
+            **kwargs,
+        )
+    return out.logits.float().cpu()
 
 
 class SpeculativeEngine:
@@ -71,113 +66,48 @@ class SpeculativeEngine:
         if drafter is not None:
             drafter.check_vocab(self.vocab_size, tokenizer)
 
-    @torch.inference_mode()
-    def _target_logits(self, tokens: torch.Tensor, cache: DynamicCache, last_only: bool = False) -> torch.Tensor:
-        out = self.target(
-            input_ids=tokens.to(self.target.device),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
-        return out.logits.float().cpu()  # [B, n, V]
+    @property
+    def context_window(self) -> int | None:
+        return getattr(self.target.config, "max_position_embeddings", None)
 
-    def generate(self, input_ids: torch.Tensor, **kwargs) -> Generation:
-        """Start generating after input_ids [1, L]; see `_steps` for the arguments."""
-        result = GenerationResult()
-        k = kwargs.pop("k", None)
-        k = self.k if k is None else k
-        validate_request(input_ids, kwargs.get("max_new_tokens", 0), k)
-        window = getattr(self.target.config, "max_position_embeddings", None)
-        if window and input_ids.shape[1] + kwargs["max_new_tokens"] > window:
-            raise ValueError(
-                f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({kwargs['max_new_tokens']}) exceeds the "
-                f"model's context window ({window} tokens)"
-            )
-        return Generation(self._steps(result, input_ids.cpu(), k=k, **kwargs), result)
-
-    def _steps(
+    def generate(
         self,
-        result: GenerationResult,
         input_ids: torch.Tensor,
         *,
         max_new_tokens: int,
-        k: int,
+        k: int | None = None,
         sampling: SamplingParams = SamplingParams(),
         stop: StopCondition | None = None,
         speculate: bool = True,
-    ) -> Iterator[list[int]]:
-        stats, generated = result.stats, result.token_ids
-        stop = stop or StopCondition()
-        controller = self.controller or FixedK(k)
-        controller.max_k = k
-        generator = None if sampling.greedy else sampling.generator()
-        drafter = self.drafter if speculate else None
-        stats.prompt_tokens = input_ids.shape[1]
-        started = time.perf_counter()
+    ) -> Generation:
+        """Start generating after input_ids [1, L]; iterate the Generation for token chunks."""
+        k = self.k if k is None else k
+        validate_request(input_ids, max_new_tokens, k, self.context_window)
+        seq = Sequence(
+            input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop,
+            drafter=self.drafter if speculate else None,
+        )
+        return Generation(self._steps(seq), seq.result)
 
+    def _steps(self, seq: Sequence) -> Iterator[list[int]]:
+        controller = self.controller or FixedK(seq.k)
+        stats = seq.stats
         cache = DynamicCache(config=self.target.config)
-        logits = self._target_logits(input_ids, cache, last_only=True)[:, -1]  # [1, V]
-        stats.target_passes += 1
-        first = logits.argmax(-1) if sampling.greedy else sample(logits_to_probs(logits, sampling), generator)
-        ids = torch.cat([input_ids, first[:, None]], dim=1)  # [1, L+1]
-        stats.time_to_first_token_s = time.perf_counter() - started
-        if drafter is not None:
-            drafter.reset()
-            drafter.prefill(input_ids)  # the draft reads the prompt once; not a draft step's cost
-            stats.draft_prefill_s = time.perf_counter() - started - stats.time_to_first_token_s
-        new = [int(first)]
-
+        seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1])
         while True:
-            # Emit what this step produced, cut at EOS / stop string / budget.
-            start = len(generated)
-            generated.extend(new)
-            keep = stop.first_stop(generated, start)
-            if keep is not None:
-                del generated[keep:]
-                result.finish_reason = "stop"
-            elif len(generated) >= max_new_tokens:
-                del generated[max_new_tokens:]
-                result.finish_reason = "length"
-            stats.new_tokens = len(generated)
-            stats.total_time_s = time.perf_counter() - started
-            if len(generated) > start:
-                yield generated[start:]
-            if result.finish_reason:
+            chunk = seq.emit()
+            if chunk:
+                yield chunk
+            if seq.finished:
                 return
-
-            # Propose. No need to draft past the budget: the target adds one token of its own.
             t0 = time.perf_counter()
-            draft = Draft.empty()
-            if drafter is not None:
-                budget = max_new_tokens - len(generated) - 1
-                draft_len = controller.plan(budget)
-                if draft_len > 0:
-                    passes_before = drafter.forward_passes
-                    draft = controller.trim(drafter.propose(ids, draft_len, sampling, generator, controller.keep_going))
-                    draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
-                    stats.draft_passes += drafter.forward_passes - passes_before
-                if draft.length == 0 and budget > 0:
-                    stats.plain_steps += 1
+            draft = seq.propose(controller)
             t1 = time.perf_counter()
-
-            # Verify [last] + draft in one target pass.
-            logits = self._target_logits(torch.cat([ids[:, -1:], draft.tokens], dim=1), cache)  # [1, n+1, V]
-            if sampling.greedy:
-                accepted_len, next_token = greedy_accept(draft.tokens, logits)
-            else:
-                target_probs = logits_to_probs(logits, sampling)
-                accepted_len, next_token = speculative_accept(draft.tokens, draft.probs, target_probs, generator)
-            accepted = int(accepted_len[0])
-            new = draft.tokens[0, :accepted].tolist() + [int(next_token[0])]
-
-            # Roll back: the cache keeps every committed token but the newest one.
-            ids = torch.cat([ids, torch.tensor([new])], dim=1)
-            rollback(cache, ids.shape[1] - 1)
-            if drafter is not None:
-                drafter.commit(ids)
+            # Verify [last] + draft in one target pass, then roll the cache back to the committed tokens.
+            logits = target_logits(self.target, torch.cat([seq.ids[:, -1:], draft.tokens], dim=1), cache)
+            accepted = seq.judge(draft, logits)
+            rollback(cache, seq.ids.shape[1] - 1)
             t2 = time.perf_counter()
             controller.observe(draft.source, draft.confidence, draft.length, accepted, t1 - t0, t2 - t1)
-            stats.target_passes += 1
-            stats.record_step(draft.length, accepted)
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += t2 - t1

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def count_positions(counts: list[int], upto: int) -> None:
+    """Add one to counts[0:upto], growing the list as needed (per-draft-position tallies)."""
+    counts.extend([0] * (upto - len(counts)))
+    for i in range(upto):
+        counts[i] += 1
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -28,10 +35,8 @@ class GenerationStats:
         self.steps += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        for counts, upto in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
-            counts.extend([0] * (upto - len(counts)))
-            for i in range(upto):
-                counts[i] += 1
+        count_positions(self.drafted_per_position, drafted)
+        count_positions(self.accepted_per_position, accepted)
         self.accepted_len_histogram.extend([0] * (accepted + 1 - len(self.accepted_len_histogram)))
         self.accepted_len_histogram[accepted] += 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,13 @@ class Drafter(ABC):
 
     def commit(self, input_ids: torch.Tensor) -> None:
         """input_ids [B, L'] is now the committed sequence (accepted draft prefix + target token)."""
+
+    def spawn(self) -> "Drafter":
+        """A drafter for another sequence decoded at the same time: the same weights, its own state."""
+        twin = copy.copy(self)
+        twin.forward_passes = 0
+        twin.reset()
+        return twin
 
     def check_vocab(self, vocab_size: int, tokenizer=None) -> None:
         """Raise ValueError when this drafter cannot propose in the target's vocabulary."""

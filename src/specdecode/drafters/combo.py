@@ -22,6 +22,9 @@ class ComboDrafter(Drafter):
     def forward_passes(self) -> int:
         return self.model.forward_passes
 
+    def spawn(self) -> "ComboDrafter":
+        return ComboDrafter(self.model.spawn(), self.ngram.spawn(), self.min_match, self.ngram_stretch)
+
     def reset(self) -> None:
         self.model.reset()
         self.ngram.reset()

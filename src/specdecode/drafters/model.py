@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
 
@@ -40,6 +42,13 @@ class ModelDrafter(Drafter):
             specials = list(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else []
             self.head = RestrictedHead(model.get_output_embeddings(), head_tokens, specials, int8=int8)
         self.reset()
+
+    def spawn(self) -> "ModelDrafter":
+        twin = copy.copy(self)
+        twin.head = copy.copy(getattr(self, "head", None))  # the per-prompt part of the head is per sequence
+        twin.forward_passes = 0
+        twin.reset()
+        return twin
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)

@@ -1,0 +1,142 @@
+"""One request between steps: its committed tokens, its drafter, its sampling, its stop rules.
+
+The single-sequence engine and the batched engine run the same per-sequence logic (first token,
+propose, judge the draft, cut at stop/budget); they differ only in how the target's cache holds rows.
+Invariant between steps: `ids` holds every committed token; the target's cache holds K/V for all of
+them but the last, which is fed at the next verify pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters.base import Draft, Drafter
+from .sampling import SamplingParams, logits_to_probs, sample
+from .stats import GenerationStats
+from .stopping import StopCondition
+from .verify import greedy_accept, speculative_accept
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "cancelled"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, window: int | None = None) -> None:
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"one sequence per call (got a batch of {input_ids.shape[0]})")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
+    if window and input_ids.shape[1] + max_new_tokens > window:
+        raise ValueError(
+            f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context window ({window} tokens)"
+        )
+
+
+class Sequence:
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        k: int,
+        sampling: SamplingParams = SamplingParams(),
+        stop: StopCondition | None = None,
+        drafter: Drafter | None = None,
+    ):
+        self.prompt = input_ids.cpu()
+        self.max_new_tokens, self.k, self.sampling = max_new_tokens, k, sampling
+        self.stop = stop or StopCondition()
+        self.drafter = drafter
+        self.generator = None if sampling.greedy else sampling.generator()
+        self.result = GenerationResult()
+        self.result.stats.prompt_tokens = self.prompt.shape[1]
+        self.ids = self.prompt  # committed tokens [1, n]
+        self.new: list[int] = []  # committed by the last step, not yet emitted
+        self.cancelled = False
+        self.started = time.perf_counter()
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.result.stats
+
+    @property
+    def finished(self) -> bool:
+        return self.result.finish_reason is not None
+
+    def start(self, logits: torch.Tensor) -> None:
+        """The prefill's last-position logits [1, V] give the first token; the drafter reads the prompt."""
+        self.stats.target_passes += 1
+        first = logits.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(logits, self.sampling), self.generator)
+        self.ids = torch.cat([self.prompt, first[:, None].cpu()], dim=1)
+        self.new = [int(first)]
+        self.stats.time_to_first_token_s = time.perf_counter() - self.started
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            self.drafter.reset()
+            self.drafter.prefill(self.prompt)  # the draft reads the prompt once; not a draft step's cost
+            self.stats.draft_prefill_s = time.perf_counter() - t0
+
+    def emit(self) -> list[int]:
+        """Move the last step's tokens to the output, cut at EOS / stop string / budget; returns what was added."""
+        generated = self.result.token_ids
+        start = len(generated)
+        generated.extend(self.new)
+        self.new = []
+        keep = self.stop.first_stop(generated, start)
+        if keep is not None:
+            del generated[keep:]
+            self.result.finish_reason = "stop"
+        elif len(generated) >= self.max_new_tokens:
+            del generated[self.max_new_tokens :]
+            self.result.finish_reason = "length"
+        self.stats.new_tokens = len(generated)
+        self.stats.total_time_s = time.perf_counter() - self.started
+        return generated[start:]
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def propose(self, controller) -> Draft:
+        """This step's draft (empty: a plain step). No need to draft past the budget: the target adds one token."""
+        draft = Draft.empty()
+        if self.drafter is None:
+            return draft
+        budget = self.max_new_tokens - len(self.result.token_ids) - 1
+        controller.max_k = self.k
+        draft_len = controller.plan(budget)
+        if draft_len > 0:
+            passes_before = self.drafter.forward_passes
+            draft = controller.trim(self.drafter.propose(self.ids, draft_len, self.sampling, self.generator, controller.keep_going))
+            draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
+            self.stats.draft_passes += self.drafter.forward_passes - passes_before
+        if draft.length == 0 and budget > 0:
+            self.stats.plain_steps += 1
+        return draft
+
+    def judge(self, draft: Draft, logits: torch.Tensor) -> int:
+        """Accept a prefix of the draft from the target's logits [1, n+1, V] at [last] + draft; commit it
+        and the target's own next token. Returns how many draft tokens were accepted."""
+        if self.sampling.greedy:
+            accepted_len, next_token = greedy_accept(draft.tokens, logits)
+        else:
+            target_probs = logits_to_probs(logits, self.sampling)
+            accepted_len, next_token = speculative_accept(draft.tokens, draft.probs, target_probs, self.generator)
+        accepted = int(accepted_len[0])
+        self.new = draft.tokens[0, :accepted].tolist() + [int(next_token[0])]
+        self.ids = torch.cat([self.ids, torch.tensor([self.new])], dim=1)
+        if self.drafter is not None:
+            self.drafter.commit(self.ids)
+        self.stats.target_passes += 1
+        self.stats.record_step(draft.length, accepted)
+        return accepted

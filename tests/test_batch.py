@@ -1,0 +1,128 @@
+"""Batched speculative decoding: every row equals the same request run alone; sampling stays lossless."""
+
+import pytest
+import torch
+
+import specdecode.batch as batch_module
+from specdecode import ModelDrafter, NgramDrafter, SamplingParams
+from specdecode.batch import BatchEngine
+from specdecode.stopping import StopCondition
+from stats_check import fit
+from test_sampling import ALPHA, SETTINGS, VOCAB, exact_marginals, small_vocab_pair  # noqa: F401
+from tiny import random_prompt, reference_greedy
+
+# Prompt lengths differ (rows join by left-padding), budgets differ (rows leave at different steps).
+REQUESTS = [(seed, 3 + (seed * 7) % 19, 8 + (seed * 5) % 17) for seed in range(9)]  # (seed, prompt len, new tokens)
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return {seed: reference_greedy(target, random_prompt(seed, n), new) for seed, n, new in REQUESTS}
+
+
+def run(engine, requests=REQUESTS, **kwargs):
+    seqs = [engine.submit(random_prompt(seed, n), max_new_tokens=new, **kwargs) for seed, n, new in requests]
+    reports = []
+    while engine.has_work:
+        reports.append(engine.step())
+    return seqs, reports
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("which", ["none", "weak", "near", "self", "ngram"])
+@pytest.mark.parametrize("compact_above", [0.0, 1.0], ids=["compact-always", "compact-never"])
+def test_every_row_equals_its_solo_greedy_output(target, weak_draft, near_draft, references, which, adaptive, compact_above):
+    drafter = {"none": None, "weak": ModelDrafter(weak_draft), "near": ModelDrafter(near_draft),
+               "self": ModelDrafter(target), "ngram": NgramDrafter()}[which]
+    engine = BatchEngine(target, drafter, k=4, adaptive=adaptive, max_batch=4, compact_above=compact_above)
+    seqs, reports = run(engine)
+    for seq, (seed, _, new) in zip(seqs, REQUESTS):
+        assert seq.result.token_ids == references[seed], f"request {seed}, drafter {which}"
+        assert seq.result.finish_reason == "length"
+    assert max(r.rows for r in reports) == 4  # the batch really was a batch
+    assert engine.cache is None and not engine.rows  # everyone left
+
+
+def test_rows_accept_different_lengths_in_one_step(target, near_draft):
+    """The identity test above only means something if rows really are ragged."""
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, max_batch=4)
+    seqs = [engine.submit(random_prompt(seed, 6), max_new_tokens=30) for seed in range(4)]
+    ragged = 0
+    while engine.has_work:
+        rows = list(engine.rows)
+        before = [s.stats.accepted_tokens for s in rows]
+        engine.step()
+        accepted = {s.stats.accepted_tokens - b for s, b in zip(rows, before)}
+        ragged += len(rows) > 1 and len(accepted) > 1
+    assert ragged >= 3
+    assert all(0 < s.stats.acceptance_rate < 1 for s in seqs)
+
+
+def test_off_by_one_slot_is_caught(target, near_draft, references, monkeypatch):
+    """Keeping one rejected slot live per row must break identity (so the test above can fail)."""
+    monkeypatch.setattr(batch_module, "live_slots", lambda accepted, keep: torch.arange(keep)[None, :] < (2 + torch.tensor(accepted))[:, None])
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, max_batch=4)
+    seqs, _ = run(engine)
+    assert any(seq.result.token_ids != references[seed] for seq, (seed, _, _) in zip(seqs, REQUESTS))
+
+
+def test_cancel_frees_the_row_and_spares_the_others(target, near_draft, references):
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=3, max_batch=3)
+    seqs = [engine.submit(random_prompt(seed, n), max_new_tokens=new) for seed, n, new in REQUESTS[:5]]
+    engine.step()
+    engine.step()
+    seqs[1].cancel()
+    queued = seqs[4]
+    queued.cancel()  # never admitted
+    while engine.has_work:
+        engine.step()
+    assert seqs[1].result.finish_reason == "cancelled" and queued.result.finish_reason == "cancelled"
+    assert queued.result.token_ids == []
+    for i in (0, 2, 3):
+        seed = REQUESTS[i][0]
+        assert seqs[i].result.token_ids == references[seed]
+
+
+def test_stops_and_one_token_budgets_inside_a_batch(target, near_draft):
+    prompts = [random_prompt(seed, 5) for seed in range(6)]
+    solo = [reference_greedy(target, p, 20) for p in prompts]
+    eos = solo[2][6]  # a token row 2 produces: rows that produce it stop there
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, max_batch=6)
+    seqs = [engine.submit(p, max_new_tokens=1 if i == 0 else 20, stop=StopCondition(frozenset({eos})))
+            for i, p in enumerate(prompts)]
+    while engine.has_work:
+        engine.step()
+    assert seqs[0].result.token_ids == solo[0][:1] and seqs[0].result.finish_reason in ("length", "stop")
+    for seq, ref in zip(seqs[1:], solo[1:]):
+        expected = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert seq.result.token_ids == expected
+        assert seq.result.finish_reason == ("stop" if eos in ref else "length")
+
+
+def test_bad_requests_are_refused_without_touching_the_batch(target, near_draft):
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=3, max_batch=2)
+    good = engine.submit(random_prompt(1, 5), max_new_tokens=6)
+    with pytest.raises(ValueError, match="empty"):
+        engine.submit(torch.empty(1, 0, dtype=torch.long), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.submit(random_prompt(2, 5), max_new_tokens=0)
+    with pytest.raises(ValueError, match="context window"):
+        engine.submit(random_prompt(2, 5), max_new_tokens=10_000)
+    while engine.has_work:
+        engine.step()
+    assert good.result.token_ids == reference_greedy(target, random_prompt(1, 5), 6)
+
+
+@pytest.mark.parametrize("params", SETTINGS[:2], ids=lambda p: f"T{p.temperature}")
+def test_batched_sampling_matches_target_distribution(small_vocab_pair, params):  # noqa: F811
+    target, draft = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    engine = BatchEngine(target, ModelDrafter(draft), k=2, max_batch=32)
+    n = 1500
+    seqs = engine.generate_all([
+        dict(input_ids=prompt, max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=i))
+        for i in range(n)
+    ])
+    exact2, exact3 = exact_marginals(target, prompt, params)
+    results = [fit([s.result.token_ids[1] for s in seqs], exact2), fit([s.result.token_ids[2] for s in seqs], exact3)]
+    assert all(pv > ALPHA for pv, _ in results), results
