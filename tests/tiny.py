@@ -47,3 +47,18 @@ def reference_greedy(model, input_ids: torch.Tensor, max_new_tokens: int, eos: i
                 break
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return out
+
+
+def tiny_tokenizer(vocab: int = VOCAB):
+    """A word-level tokenizer over the tiny vocabulary: token i is the word 'w{i}' (0 = <s>, 1 = </s>),
+    with a chat template that joins the messages' contents. Text in, text out, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<s>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<s>", pad_token="<s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return fast

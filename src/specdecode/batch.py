@@ -135,6 +135,17 @@ class BatchEngine:
             self.step()
         return seqs
 
+    def abort(self) -> list[Sequence]:
+        """Drop every row and queued request (after a failed pass, or at shutdown); returns them."""
+        with self._lock:
+            dropped = self.rows + list(self._pending)
+            self._pending.clear()
+        self.rows, self.cache, self.mask = [], None, None
+        for seq in dropped:
+            if not seq.finished:
+                seq.result.finish_reason = "error"
+        return dropped
+
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepReport:

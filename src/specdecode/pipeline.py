@@ -10,6 +10,7 @@ import torch
 
 from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from .engine import Generation, SpeculativeEngine
+from .sequence import GenerationResult
 from .models import DEFAULT_DRAFT, load_model
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -90,41 +91,51 @@ class Completion:
         return dict(text=self.text, token_ids=self.token_ids, finish_reason=self.finish_reason, stats=self.stats.to_dict())
 
 
-class TextGeneration:
-    """Iterate for text pieces as tokens are accepted; `result()` for the whole completion.
+class TextStream:
+    """Token ids -> text pieces as a generation grows. Never shows text it would later take back: an
+    incomplete UTF-8 character, or the start of what may turn into a stop string, is held until settled."""
 
-    Streams never show text they would later take back: an incomplete UTF-8 character, or the
-    start of what may turn into a stop string, is held until it is settled.
-    """
-
-    def __init__(self, generation: Generation, tokenizer, stop: StopCondition):
-        self._tokens, self._result = iter(generation), generation.partial
-        self._tokenizer, self._stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: StopCondition, result: GenerationResult):
+        self._tokenizer, self._stop, self._result = tokenizer, stop, result
         self._emitted = 0
         self._hold = max((len(s) for s in stop.stop_strings), default=1) - 1
 
-    def _text(self) -> str:
+    def text(self) -> str:
         return self._stop.trim_text(self._tokenizer.decode(self._result.token_ids, skip_special_tokens=True))
+
+    def piece(self) -> str:
+        """The text that became safe to show since the last call ('' if none); all of it once finished."""
+        text = self.text()
+        if self._result.finish_reason is None:
+            text = text[: len(text) - self._hold] if self._hold else text
+            if text.endswith("\ufffd"):
+                return ""
+        if len(text) <= self._emitted:
+            return ""
+        piece, self._emitted = text[self._emitted :], len(text)
+        return piece
+
+
+class TextGeneration:
+    """Iterate for text pieces as tokens are accepted; `result()` for the whole completion."""
+
+    def __init__(self, generation: Generation, tokenizer, stop: StopCondition):
+        self._tokens, self._result = iter(generation), generation.partial
+        self._stream = TextStream(tokenizer, stop, self._result)
 
     def __iter__(self) -> Iterator[str]:
         for _ in self._tokens:
-            text = self._text()
-            if self._result.finish_reason is None:
-                text = text[: len(text) - self._hold] if self._hold else text
-                if text.endswith("\ufffd"):
-                    continue
-            if len(text) > self._emitted:
-                yield text[self._emitted :]
-                self._emitted = len(text)
-        text = self._text()
-        if len(text) > self._emitted:
-            yield text[self._emitted :]
-            self._emitted = len(text)
+            piece = self._stream.piece()
+            if piece:
+                yield piece
+        piece = self._stream.piece()
+        if piece:
+            yield piece
 
     def result(self) -> Completion:
         for _ in self:
             pass
-        return Completion(self._text(), list(self._result.token_ids), self._result.finish_reason, self._result.stats)
+        return Completion(self._stream.text(), list(self._result.token_ids), self._result.finish_reason, self._result.stats)
 
 
 class SpecDecoder:

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the server (one registry per service, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..batch import StepReport
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("specdecode_requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=r)
+        self.queue_length = Gauge("specdecode_queue_length", "Requests waiting to join the batch", registry=r)
+        self.batch_size = Gauge("specdecode_batch_size", "Rows in the last verify pass", registry=r)
+        self.batch_rows = Histogram("specdecode_batch_rows", "Rows per verify pass", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.finished = Counter("specdecode_finished_requests", "Requests finished, by reason (stop, length, cancelled, error)",
+                                ["reason"], registry=r)
+        self.running = Gauge("specdecode_running_requests", "Requests admitted and not finished", registry=r)
+        self.draft_tokens = Counter("specdecode_draft_tokens", "Tokens proposed by the drafter", registry=r)
+        self.accepted_tokens = Counter("specdecode_accepted_tokens", "Drafted tokens the target accepted", registry=r)
+        self.draft_by_position = Counter(
+            "specdecode_draft_tokens_by_position", "Drafted tokens by position in the draft (1 = first)", ["position"], registry=r)
+        self.accepted_by_position = Counter(
+            "specdecode_accepted_tokens_by_position", "Accepted tokens by position in the draft (1 = first)", ["position"], registry=r)
+        self.steps = Counter(
+            "specdecode_steps", "Engine steps; speculation=off: no row drafted (plain decoding, e.g. chosen by load-aware control)",
+            ["speculation"], registry=r)
+        self.speculation_on = Gauge("specdecode_speculation_on", "1 if the last step drafted, else 0", registry=r)
+        self.draft_seconds = Histogram("specdecode_draft_seconds", "Drafting time per step (all rows)", buckets=STEP_BUCKETS, registry=r)
+        self.verify_seconds = Histogram("specdecode_verify_seconds", "Target verify pass time per step", buckets=STEP_BUCKETS, registry=r)
+        self.ttft = Histogram("specdecode_time_to_first_token_seconds", "Submission to first token", buckets=REQUEST_BUCKETS, registry=r)
+        self.latency = Histogram("specdecode_request_seconds", "Submission to last token", buckets=REQUEST_BUCKETS, registry=r)
+
+    def record_step(self, report: StepReport, running: int, waiting: int) -> None:
+        self.queue_length.set(waiting)
+        self.running.set(running)
+        if report.rows:
+            self.batch_size.set(report.rows)
+            self.batch_rows.observe(report.rows)
+            self.steps.labels("on" if report.speculative else "off").inc()
+            self.speculation_on.set(1 if report.speculative else 0)
+            self.draft_seconds.observe(report.draft_s)
+            self.verify_seconds.observe(report.verify_s)
+        self.draft_tokens.inc(report.drafted)
+        self.accepted_tokens.inc(report.accepted)
+        for i, n in enumerate(report.drafted_per_position):
+            self.draft_by_position.labels(str(i + 1)).inc(n)
+        for i, n in enumerate(report.accepted_per_position):
+            self.accepted_by_position.labels(str(i + 1)).inc(n)
+        for _, chunk in report.events:
+            self.generation_tokens.inc(len(chunk))
+        for seq in report.finished:
+            self.finished.labels(seq.result.finish_reason or "unknown").inc()
+            if seq.result.token_ids:
+                self.ttft.observe(seq.stats.time_to_first_token_s)
+                self.latency.observe(seq.stats.total_time_s)

@@ -1,0 +1,173 @@
+"""The engine behind the HTTP server: one scheduler thread steps the batched engine; each request
+gets a handle whose asyncio queue receives its text pieces and its end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from ..batch import BatchEngine
+from ..drafters.base import Drafter
+from ..pipeline import SpecDecoder, TextStream, eos_token_ids
+from ..sampling import SamplingParams
+from ..sequence import Sequence
+from ..stopping import StopCondition
+from .metrics import Metrics
+
+log = logging.getLogger("specdecode.server")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server accepts (HTTP 429)."""
+
+
+class Unavailable(Exception):
+    """The server cannot take requests now (HTTP 503)."""
+
+
+@dataclass
+class Handle:
+    """One request as the HTTP side sees it. Queue items: ("text", piece), ("done", finish_reason), ("error", message)."""
+
+    seq: Sequence
+    stream: TextStream
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+    def put(self, kind: str, value: str) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the request's event loop is gone
+            pass
+
+
+class Service:
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        drafter: Drafter | None = None,
+        *,
+        model_name: str = "specdecode",
+        k: int = 5,
+        adaptive: bool = True,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        default_max_tokens: int = 256,
+    ):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.decoder = SpecDecoder(target, tokenizer, drafter, k=k, adaptive=adaptive)  # for encode() and EOS ids
+        self.engine = BatchEngine(target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch)
+        self.eos = eos_token_ids(target, tokenizer)
+        self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
+        self.speculation = "off" if drafter is None else ("load-aware" if adaptive else f"always (k={k})")
+        self.metrics = Metrics()
+        self._handles: dict[Sequence, Handle] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_specs(cls, target: str, draft: str | None, *, dtype=None, threads: int | None = None,
+                   k: int | None = None, adaptive: bool | None = None, **kwargs) -> "Service":
+        decoder = SpecDecoder.from_specs(target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads)
+        engine = decoder.engine
+        return cls(decoder.target, decoder.tokenizer, engine.drafter, model_name=kwargs.pop("model_name", None) or target,
+                   k=engine.k, adaptive=engine.controller is not None, **kwargs)
+
+    @property
+    def context_window(self) -> int | None:
+        return self.engine.context_window
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="specdecode-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        for seq in self.engine.abort():
+            self._fail(seq, "the server is shutting down")
+
+    # --- requests (called from the event loop) --------------------------------------------------
+
+    def encode(self, prompt: str | list[dict]) -> torch.Tensor:
+        return self.decoder.encode(prompt, chat=isinstance(prompt, list))
+
+    def submit(self, input_ids: torch.Tensor, *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...] = ()) -> Handle:
+        """Queue a request. ValueError: bad request; QueueFull / Unavailable: come back later."""
+        if not self.alive:
+            raise Unavailable("the server is not running (starting up, shutting down, or its scheduler failed)")
+        if self.engine.waiting >= self.max_queue:
+            raise QueueFull(f"server busy: {self.engine.waiting} requests already waiting (max_queue={self.max_queue}); retry later")
+        stop_condition = StopCondition(self.eos, tuple(stop), self.tokenizer)
+        with self._lock:  # registered before the scheduler can see the sequence
+            seq = self.engine.submit(input_ids, max_new_tokens=max_tokens, sampling=sampling, stop=stop_condition)
+            handle = Handle(seq, TextStream(self.tokenizer, stop_condition, seq.result), asyncio.Queue(), asyncio.get_running_loop())
+            self._handles[seq] = handle
+        self.metrics.prompt_tokens.inc(input_ids.shape[1])
+        self.metrics.queue_length.set(self.engine.waiting)
+        self._wake.set()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """The client went away: free the row at the next step."""
+        handle.seq.cancel()
+        self._wake.set()
+
+    # --- the scheduler thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            if not self.engine.has_work:
+                self._wake.wait(0.5)
+                continue
+            try:
+                report = self.engine.step()
+            except Exception as error:  # a failed pass fails its rows; the server keeps serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                for seq in self.engine.abort():
+                    self._fail(seq, f"generation failed: {type(error).__name__}: {error}")
+                continue
+            for seq, _ in report.events:
+                self._deliver(seq)
+            for seq in report.finished:
+                self._deliver(seq)
+            self.metrics.record_step(report, len(self.engine.rows), self.engine.waiting)
+
+    def _deliver(self, seq: Sequence) -> None:
+        with self._lock:
+            handle = self._handles.get(seq)
+            if handle is None:
+                return
+            if seq.finished:
+                del self._handles[seq]
+        piece = handle.stream.piece()
+        if piece:
+            handle.put("text", piece)
+        if seq.finished:
+            handle.put("done", seq.result.finish_reason)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        with self._lock:
+            handle = self._handles.pop(seq, None)
+        if handle is not None:
+            handle.put("error", message)

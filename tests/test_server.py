@@ -1,0 +1,234 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over loopback."""
+
+import asyncio
+import re
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdecode import ModelDrafter, SpecDecoder
+from specdecode.server import Service, create_app
+from tiny import tiny_tokenizer
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, service: Service):
+        self.service = service
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def client(self, **kwargs):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
+
+    def async_client(self):
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(target, near_draft, tokenizer):
+    service = Service(target, tokenizer, ModelDrafter(near_draft), model_name=MODEL, k=4, adaptive=True, max_batch=8)
+    with RunningServer(service) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def solo(target, near_draft, tokenizer):
+    """The same request run alone, through the single-sequence engine."""
+    decoder = SpecDecoder(target, tokenizer, ModelDrafter(near_draft), k=4)
+
+    def run(prompt, max_tokens, chat=False):
+        return decoder.generate(prompt, chat=chat, max_new_tokens=max_tokens).text
+
+    return run
+
+
+def prompt_of(i: int) -> str:
+    return " ".join(f"w{2 + (i * 7 + j * 13) % 90}" for j in range(3 + i % 5))
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    text = httpx.get(server.url + "/metrics").text
+    pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else "") + r" ([0-9.e+-]+)"
+    found = re.search(r"^" + pattern + "$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["speculation"] == "load-aware"
+
+
+def test_completion_equals_solo_and_fills_usage(server, solo, tokenizer):
+    out = server.client().completions.create(model=MODEL, prompt=prompt_of(1), max_tokens=12, temperature=0)
+    assert out.choices[0].text == solo(prompt_of(1), 12)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens == len(tokenizer(prompt_of(1))["input_ids"])
+    assert 0 < out.usage.completion_tokens <= 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streamed_completion_equals_the_whole(server, solo):
+    chunks = list(server.client().completions.create(model=MODEL, prompt=prompt_of(2), max_tokens=15, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == solo(prompt_of(2), 15)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert len(chunks) > 2  # pieces arrived as they were accepted, not all at the end
+
+
+def test_chat_completion_plain_and_streamed(server, solo):
+    messages = [{"role": "system", "content": "w9 w10"}, {"role": "user", "content": prompt_of(3)}]
+    expected = solo(messages, 10, chat=True)
+    out = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == expected and out.choices[0].message.role == "assistant"
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+
+
+def test_sixteen_concurrent_greedy_requests_each_equal_solo(server, solo):
+    async def one(client, i):
+        if i % 2:
+            messages = [{"role": "user", "content": prompt_of(i)}]
+            out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8 + i, temperature=0)
+            return out.choices[0].message.content
+        if i % 4 == 0:
+            stream = await client.completions.create(model=MODEL, prompt=prompt_of(i), max_tokens=8 + i, temperature=0, stream=True)
+            return "".join([c.choices[0].text async for c in stream])
+        out = await client.completions.create(model=MODEL, prompt=prompt_of(i), max_tokens=8 + i, temperature=0)
+        return out.choices[0].text
+
+    async def all_of_them():
+        client = server.async_client()
+        return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    solo_passes_before = metric(server, "specdecode_batch_rows_bucket", 'le="1.0"')
+    passes_before = metric(server, "specdecode_batch_rows_count")
+    texts = asyncio.run(all_of_them())
+    for i, text in enumerate(texts):
+        prompt = [{"role": "user", "content": prompt_of(i)}] if i % 2 else prompt_of(i)
+        assert text == solo(prompt, 8 + i, chat=bool(i % 2)), f"request {i}"
+    shared = (metric(server, "specdecode_batch_rows_count") - passes_before) - (
+        metric(server, "specdecode_batch_rows_bucket", 'le="1.0"') - solo_passes_before)
+    assert shared > 0  # some verify passes carried several requests
+
+
+BAD = [
+    ("completions", dict(prompt=""), "prompt"),
+    ("chat", dict(messages=[]), "messages"),
+    ("chat", dict(messages=[{"role": "user", "content": ""}]), "empty"),
+    ("completions", dict(prompt="w5", max_tokens=0), "max_tokens"),
+    ("completions", dict(prompt="w5", max_tokens=100_000), "context window"),
+    ("completions", dict(prompt="w5", temperature=-0.5), "temperature"),
+    ("completions", dict(prompt="w5", top_p=0), "top_p"),
+    ("chat", dict(messages=[{"role": "user", "content": "w5"}], top_p=1.5), "top_p"),
+    ("completions", dict(prompt="w5", model="gpt-4o"), "unknown model"),
+]
+
+
+def test_bad_requests_get_400_and_do_not_disturb_a_running_request(server, solo):
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt=prompt_of(5), max_tokens=40, temperature=0, stream=True)
+    pieces = [next(iter(stream)).choices[0].text]  # a request is running beside the bad ones
+    for endpoint, kwargs, named in BAD:
+        kwargs = {"model": MODEL, **kwargs}
+        with pytest.raises(openai.BadRequestError) as error:
+            if endpoint == "chat":
+                client.chat.completions.create(**kwargs)
+            else:
+                client.completions.create(**kwargs)
+        assert named in str(error.value), (kwargs, str(error.value))
+    raw = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "w5", "max_tokens": ', headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    pieces += [c.choices[0].text for c in stream]
+    assert "".join(pieces) == solo(prompt_of(5), 40)
+    assert client.completions.create(model=MODEL, prompt="w7 w8", max_tokens=3, temperature=0).usage.completion_tokens > 0
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    service = server.service
+    cancelled = metric(server, "specdecode_finished_requests_total", 'reason="cancelled"')
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"model": MODEL, "prompt": prompt_of(6), "max_tokens": 400, "temperature": 0, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # one piece, then hang up
+    deadline = time.time() + 20
+    while service.engine.rows or service.engine.waiting:
+        assert time.time() < deadline, "the abandoned request still holds its row"
+        time.sleep(0.1)
+    assert metric(server, "specdecode_finished_requests_total", 'reason="cancelled"') == cancelled + 1
+    out = server.client().completions.create(model=MODEL, prompt="w3", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens > 0
+
+
+def test_metrics_counters_move(server):
+    names = ["specdecode_generation_tokens_total", "specdecode_draft_tokens_total", "specdecode_accepted_tokens_total",
+             "specdecode_prompt_tokens_total"]
+    before = {n: metric(server, n) for n in names}
+    ok_before = metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="200"')
+    bad_before = metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="400"')
+    out = server.client().completions.create(model=MODEL, prompt=prompt_of(7), max_tokens=20, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="w3", max_tokens=-1)
+    after = {n: metric(server, n) for n in names}
+    assert after["specdecode_generation_tokens_total"] - before["specdecode_generation_tokens_total"] == out.usage.completion_tokens
+    assert after["specdecode_prompt_tokens_total"] - before["specdecode_prompt_tokens_total"] == out.usage.prompt_tokens
+    assert after["specdecode_draft_tokens_total"] > before["specdecode_draft_tokens_total"]
+    assert after["specdecode_accepted_tokens_total"] >= before["specdecode_accepted_tokens_total"]
+    assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="200"') == ok_before + 1
+    assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="400"') == bad_before + 1
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("specdecode_queue_length", "specdecode_draft_tokens_by_position_total", "specdecode_verify_seconds_bucket",
+                 "specdecode_draft_seconds_bucket", "specdecode_speculation_on"):
+        assert name in text
+
+
+def test_full_queue_answers_429_not_a_hang(target, tokenizer):
+    service = Service(target, tokenizer, None, model_name=MODEL, max_batch=1, max_queue=1)
+    with RunningServer(service) as running:
+        async def burst():
+            client = running.async_client()
+            calls = [client.completions.create(model=MODEL, prompt=prompt_of(i), max_tokens=60, temperature=0) for i in range(6)]
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=120)
+
+        results = asyncio.run(burst())
+    busy = [r for r in results if isinstance(r, openai.RateLimitError)]
+    done = [r for r in results if not isinstance(r, Exception)]
+    assert busy and done, results
+    assert all("max_queue" in str(r) for r in busy)
+    assert len(busy) + len(done) == 6
