@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 THREADS ?= $(shell nproc)
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench bench-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ bench: setup
 	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(BIN)/specdecode bench --dtype bf16 --threads $(THREADS) --per-task 3 --max-new-tokens 128 \
 		--draft qwen2.5-coder-0.5b --methods $(BENCH_METHODS) --out $(BENCH_OUT)
+
+## The server load benchmark on the Qwen pair (bf16): speculation off / always / load-aware at concurrency 1, 4, 8.
+bench-serve: setup
+	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	scripts/serve-bench.sh docs/bench/serve-qwen-bf16
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -99,6 +99,27 @@ def test_stops_and_one_token_budgets_inside_a_batch(target, near_draft):
         assert seq.result.finish_reason == ("stop" if eos in ref else "length")
 
 
+class ExplodingDrafter(NgramDrafter):
+    """Fails on prompts that start with token 50 (a bug or an out-of-memory in one row's drafter)."""
+
+    def propose(self, input_ids, k, sampling, generator, keep_going=None):
+        if int(input_ids[0, 0]) == 50:
+            raise RuntimeError("drafter exploded")
+        return super().propose(input_ids, k, sampling, generator, keep_going)
+
+
+def test_a_failing_row_fails_alone(target, references):
+    engine = BatchEngine(target, ExplodingDrafter(), k=3, max_batch=4)
+    bad_prompt = torch.cat([torch.tensor([[50]]), random_prompt(99, 4)], dim=1)
+    seqs = [engine.submit(random_prompt(seed, n), max_new_tokens=new) for seed, n, new in REQUESTS[:3]]
+    bad = engine.submit(bad_prompt, max_new_tokens=10)
+    while engine.has_work:
+        engine.step()
+    assert bad.result.finish_reason == "error" and "drafter exploded" in bad.result.error
+    for seq, (seed, _, _) in zip(seqs, REQUESTS):
+        assert seq.result.token_ids == references[seed]
+
+
 def test_bad_requests_are_refused_without_touching_the_batch(target, near_draft):
     engine = BatchEngine(target, ModelDrafter(near_draft), k=3, max_batch=2)
     good = engine.submit(random_prompt(1, 5), max_new_tokens=6)

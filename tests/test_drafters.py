@@ -141,10 +141,19 @@ def test_load_aware_control_turns_speculation_off_as_the_batch_grows():
             ctl.observe_pass(positions, rows, 0.25 + 0.004 * rows * positions)
     for _ in range(20):
         ctl.observe_row("model", [0.9, 0.9], drafted=2, accepted=2, draft_s=0.04)
-    ctl.rows = 1
-    assert ctl.plan(10) > 0
-    ctl.rows = 16
-    assert ctl.plan(10) == 0
+    assert ctl.plan_batch(1) == ctl.max_k and ctl.plan(10) > 0  # one row: the single-sequence rule drafts
+    assert ctl.plan_batch(16) == 0 and ctl.plan(10) == 0  # sixteen rows: plain decoding for all
+    assert ctl.plan_batch(2) > 0  # two rows: verification is still nearly free
+    assert ctl.batch_decisions[16] == [1, 0] and ctl.batch_decisions[2] == [0, 1]
+
+
+def test_load_aware_control_probes_again_after_plain_steps():
+    ctl = AdaptiveK(max_k=4, probe_every=2)
+    for positions in (1, 2, 3, 5):
+        ctl.observe_pass(positions, 4, 0.25 + 0.05 * 4 * positions)  # compute-bound: drafting never pays
+    ctl.observe_row("model", [0.5], drafted=1, accepted=0, draft_s=0.05)
+    caps = [ctl.plan_batch(4) for _ in range(9)]
+    assert caps == [0] * 7 + [1] + [0]  # every (probe_every x rows)-th step a one-token probe
 
 
 def test_adaptive_falls_back_to_plain_and_probes_again():

@@ -232,3 +232,30 @@ def test_full_queue_answers_429_not_a_hang(target, tokenizer):
     assert busy and done, results
     assert all("max_queue" in str(r) for r in busy)
     assert len(busy) + len(done) == 6
+
+
+def test_load_benchmark_against_two_endpoints(server, tmp_path):
+    from specdecode.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w4 w5\nw9 w8 w7 w6\nw20 w30\n")
+    out = tmp_path / "load"
+    code = main(["bench", "--endpoint", f"a={server.url}", "--endpoint", f"b={server.url}", "--concurrency", "1,3",
+                 "--requests", "3", "--max-new-tokens", "6", "--prompts", str(prompts), "--out", str(out)])
+    assert code == 0
+    import json
+
+    rows = json.loads((out / "load.json").read_text())["rows"]
+    assert [(r["label"], r["concurrency"]) for r in rows] == [("a", 1), ("b", 1), ("a", 3), ("b", 3)]
+    for r in rows:
+        assert r["requests"] == 3 and r["errors"] == 0
+        assert 0 < r["output_tokens"] <= 18 and r["output_tokens_per_s"] > 0
+        assert r["ttft_p50"] <= r["latency_p50"]
+    assert (out / "load.png").stat().st_size > 0 and "| a | 3 |" in (out / "load.md").read_text()
+
+
+def test_load_benchmark_counts_errors(tmp_path):
+    from specdecode.bench.load import run_load
+
+    rows = run_load({"nothing": f"http://127.0.0.1:{free_port()}"}, [[{"role": "user", "content": "w3"}]], [1], 2, 4, model="x")
+    assert rows[0]["errors"] == 2 and rows[0]["output_tokens"] == 0

@@ -158,22 +158,33 @@ class BatchEngine:
         controller = self.controller
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
         calibrate = controller is not None and not controller.costs.measured(1, B)
-        if controller is not None:
-            controller.rows = B
+        if controller is not None and not calibrate:
+            controller.plan_batch(B)
 
         drafts: list[Draft] = []
         draft_s: list[float] = []
+        failed: list[Sequence] = []
         for seq in self.rows:
             t0 = time.perf_counter()
             if calibrate and seq.drafter is not None:
                 seq.stats.plain_steps += 1
                 draft = Draft.empty()
             else:
-                draft = seq.propose(controller or FixedK(seq.k))
+                try:
+                    draft = seq.propose(controller or FixedK(seq.k))
+                except Exception as error:  # one row's drafter failing must not take the others down
+                    seq.fail(error)
+                    failed.append(seq)
+                    continue
             drafts.append(draft)
             draft_s.append(time.perf_counter() - t0)
             seq.stats.draft_time_s += draft_s[-1]
         report.draft_s = sum(draft_s)
+        if failed:
+            self._leave(failed, report)
+            if not self.rows:
+                return report
+            B = len(self.rows)
 
         width = 1 + max(d.length for d in drafts)
         T = self.mask.shape[1]
@@ -235,7 +246,12 @@ class BatchEngine:
                 report.finished.append(seq)
                 continue
             cache = DynamicCache(config=self.target.config)
-            seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1])
+            try:
+                seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1])
+            except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
+                seq.fail(error)
+                report.finished.append(seq)
+                continue
             chunk = seq.emit()
             if chunk:
                 report.events.append((seq, chunk))

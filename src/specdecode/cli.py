@@ -1,4 +1,4 @@
-"""`specdecode generate | models` (and more as they land)."""
+"""`specdecode generate | check | bench | serve | models`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from .models import BUILTINS, DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="settings file written by `specdecode tune` (flags given here win)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"target model spec (default {DEFAULT_TARGET})")
     p.add_argument(
         "--draft",
@@ -205,8 +206,58 @@ def cmd_check(args) -> int:
     return 0 if passed else 1
 
 
+def cmd_load_bench(args) -> int:
+    """`bench --endpoint URL ...`: drive running OpenAI-compatible servers instead of loading models."""
+    import shlex
+
+    from tqdm import tqdm
+
+    from .bench.load import load_markdown, load_plot, run_load
+
+    endpoints = {}
+    for i, spec in enumerate(args.endpoint):
+        label, sep, url = spec.partition("=")
+        endpoints[label if sep else (spec if len(args.endpoint) == 1 else f"endpoint{i + 1}")] = url if sep else spec
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if any(c < 1 for c in levels) or args.requests < 1:
+        raise ValueError("--concurrency levels and --requests must be >= 1")
+    prompts = [[{"role": "user", "content": p.text}] for p in _load_prompts(args)]
+    with tqdm(total=len(levels) * len(endpoints) * args.requests, desc="load", unit="req") as bar:
+        rows = run_load(endpoints, prompts, levels, args.requests, args.max_new_tokens, args.temperature,
+                        args.time_limit, args.model, progress=bar.update)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (out / "load.json").write_text(json.dumps(dict(command=command, endpoints=endpoints, rows=rows), indent=1))
+    markdown = load_markdown(rows, command)
+    (out / "load.md").write_text(markdown)
+    load_plot(rows, out / "load.png")
+    print(markdown)
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .server import Service, create_app
+
+    service = Service.from_specs(  # a server speculates load-aware unless told otherwise
+        args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
+        adaptive=True if args.adaptive is None else args.adaptive,
+        model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+    )
+    print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
+          f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def cmd_bench(args) -> int:
     import shlex
+
+    if args.endpoint:
+        return cmd_load_bench(args)
 
     from rich.console import Console
     from rich.table import Table
@@ -225,7 +276,8 @@ def cmd_bench(args) -> int:
     target, tokenizer = load_model(args.target, dtype=args.dtype)
     decoder = SpecDecoder(target, tokenizer)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    methods = build_methods(names, target, tokenizer, decoder.eos, default_draft=args.draft, default_k=args.k, dtype=args.dtype)
+    methods = build_methods(names, target, tokenizer, decoder.eos, default_draft=args.draft, default_k=args.k, dtype=args.dtype,
+                            default_adaptive=args.adaptive)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeat=args.repeat, sampling=sampling, chat=not args.no_chat)
     with tqdm(total=len(prompts) * len(methods) * args.repeat, desc="bench", unit="run") as bar:
@@ -251,13 +303,61 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import shlex
+
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from .models import load_model
+    from .pipeline import SpecDecoder
+    from .tune import default_candidates, rounds_of, tune, write_config
+
+    if args.threads:
+        torch_threads(args.threads)
+    console = Console(stderr=True)
+    prompts = _load_prompts(args)
+    drafts = [d for spec in (args.draft or ["auto", "ngram", f"{DEFAULT_DRAFT}+int8+head", "self"]) for d in spec.split(",")]
+    candidates = [c for spec in args.candidates for c in spec.split(",")] if args.candidates else default_candidates(drafts)
+    target, tokenizer = load_model(args.target, dtype=args.dtype)
+    decoder = SpecDecoder(target, tokenizer)
+    rounds = rounds_of(prompts)
+    console.print(f"tune: {len(candidates)} candidates ({', '.join(candidates)}) on up to {len(prompts)} prompts in "
+                  f"{len(rounds)} round(s), {args.max_new_tokens} new tokens, budget {args.budget:.0f} s")
+    with tqdm(desc="tune", unit="run") as bar:
+        result = tune(target, tokenizer, decoder.eos, prompts, candidates, budget_s=args.budget, max_new_tokens=args.max_new_tokens,
+                      encode=lambda text: decoder.encode(text, chat=True), dtype=args.dtype, progress=bar.update,
+                      log=lambda msg: bar.write(msg))
+    table = Table(title=f"tune: {result.rounds} round(s), {result.elapsed_s:.0f} s (speedup = tokens/s vs plain, same prompts)")
+    tasks = sorted({t for row in result.table for t in row["by_task"]})
+    for col in ("method", "prompts", "mean", "min", "acceptance", *tasks):
+        table.add_column(col, justify="right")
+    for row in result.table:
+        table.add_row(row["method"], str(row["prompts"]), f"{row['speedup_mean']:.2f}x", f"{row['speedup_min']:.2f}x",
+                      f"{row['acceptance']:.0%}", *(f"{row['by_task'][t]:.2f}x" if t in row["by_task"] else "-" for t in tasks))
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    dtype = args.dtype or str(target.dtype).replace("torch.bfloat16", "bf16").replace("torch.float32", "fp32").replace("torch.float16", "fp16")
+    config = write_config(Path(args.out), result, target=args.target, dtype=dtype, threads=args.threads,
+                          max_new_tokens=args.max_new_tokens, command="specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    console.print(f"best: {config['tuned']['method']} ({config['tuned']['speedup_vs_plain']:.2f}x plain) -> {args.out}: "
+                  f"draft={config['draft']} k={config['k']} adaptive={config['adaptive']}")
+    for engine in ("vllm", "llama_cpp", "transformers"):
+        exported = config["exports"].get(engine)
+        console.print(f"  {engine}: " + (exported.get("command", json.dumps(exported)) if exported else "no equivalent"))
+    for note in config["exports"]["notes"]:
+        console.print(f"  note: {note}")
+    return 0
+
+
 def torch_threads(n: int) -> None:
     import torch
 
     torch.set_num_threads(n)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
+    """config: settings from a tune file, the defaults of every command that takes --config."""
     parser = argparse.ArgumentParser(prog="specdecode", description="Speculative decoding: the target's answers, faster.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -269,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("prompt")
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, **(config or {}))
 
     c = sub.add_parser("check", help="prove on your prompts that speculation preserves the output (exit 0 = pass)")
     _add_model_args(c)
@@ -282,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--positions", type=int, default=2, help="sampling check: generated positions tested (after the first)")
     c.add_argument("--sampling-prompts", type=int, default=1, help="sampling check: how many of the prompts")
     c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_check)
+    c.set_defaults(func=cmd_check, **(config or {}))
 
     b = sub.add_parser("bench", help="benchmark methods side by side on a prompt set; writes report.md, results.json, plots")
     _add_model_args(b)
@@ -291,12 +391,44 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--methods",
         default="plain,spec,hf-greedy,hf-assisted,hf-pld",
-        help="comma-separated: plain, spec[:DRAFTER[:K|aK]], hf-greedy, hf-assisted, hf-pld (see specdecode.bench.methods)",
+        help="comma-separated: plain, spec[:DRAFTER[:K|aK]], hf-greedy, hf-assisted, hf-pld (see specdecode.bench.methods); "
+        "plain `spec` is the --draft/--k/--adaptive setting (or the --config file's)",
     )
     b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method; the median is kept")
     b.add_argument("--out", default="bench-out", help="output directory")
     b.add_argument("--no-chat", action="store_true", help="feed prompts as raw text instead of through the chat template")
-    b.set_defaults(func=cmd_bench, max_new_tokens=128)
+    b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
+                   help="load-benchmark a running OpenAI-compatible server instead (repeatable: measured level by level)")
+    b.add_argument("--concurrency", default="1,4,8", help="with --endpoint: concurrent clients per level")
+    b.add_argument("--requests", type=int, default=8, help="with --endpoint: requests per level")
+    b.add_argument("--time-limit", type=float, default=600.0, help="with --endpoint: no new request after this many seconds per level")
+    b.add_argument("--model", default=None, help="with --endpoint: model name to request (default: the server's first)")
+    b.set_defaults(func=cmd_bench, max_new_tokens=128, **(config or {}))
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched, load-aware speculative decoding")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
+    s.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get HTTP 429")
+    s.add_argument("--default-max-tokens", type=int, default=256, help="chat requests without max_tokens")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target spec)")
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=cmd_serve, **(config or {}))
+
+    t = sub.add_parser("tune", help="measure drafters and draft lengths on your prompts; write a config for generate/bench/serve")
+    t.add_argument("--target", default=DEFAULT_TARGET)
+    t.add_argument("--draft", action="append", default=None,
+                   help="drafter spec(s) to consider (repeatable or comma-separated; default: auto, ngram, the int8+head model, self)")
+    t.add_argument("--candidates", action="append", default=None,
+                   help="exact bench methods to try instead (spec:DRAFTER:K or :aK), comma-separated")
+    t.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)
+    t.add_argument("--threads", type=int, default=None)
+    t.add_argument("--budget", type=float, default=900.0, help="seconds; no round starts that would overrun it")
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--out", default="specdecode-config.json")
+    _add_prompt_args(t)
+    t.set_defaults(func=cmd_tune)
 
     m = sub.add_parser("models", help="list the built-in models, or `models pull [NAME...]` to install and convert")
     m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
@@ -305,8 +437,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_defaults(argv: list[str]) -> dict:
+    """Settings from `--config FILE`, if given: they become the defaults, so explicit flags still win."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return {}
+    from .tune import read_config
+
+    return read_config(known.config)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    try:
+        defaults = _config_defaults(argv)
+    except ValueError as e:
+        print(f"specdecode: error: {e}", file=sys.stderr)
+        return 2
+    if defaults:
+        parser = build_parser(defaults)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, ModelError) as e:

@@ -56,10 +56,16 @@ class CostModel:
     alpha: float = 0.2
     draft_token_s: dict[str, Ema] = field(default_factory=dict)
     verify_s: dict[int, Ema] = field(default_factory=dict)
+    any_draft_token_s: Ema = field(default_factory=lambda: Ema(0.2))
 
     def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
         if tokens:
             self.draft_token_s.setdefault(source, Ema(self.alpha)).update(seconds / tokens)
+            self.any_draft_token_s.update(seconds / tokens)
+
+    def mean_draft_time(self) -> float | None:
+        """Seconds per drafted token over every drafter's drafts (cheap n-gram ones included)."""
+        return self.any_draft_token_s.value
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         self.verify_s.setdefault(rows * positions, Ema(self.alpha)).update(seconds)
@@ -103,6 +109,32 @@ class FixedK:
     def plan(self, max_len: int) -> int:
         return min(self.max_k, max_len)
 
+    def plan_batch(self, rows: int) -> int:
+        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows."""
+        self.rows = rows
+        if rows == 1:
+            self.batch_cap = None  # one sequence: the per-step rule of `plan`
+            return self.max_k
+        t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
+        t_draft, alpha = self.costs.mean_draft_time(), min(self.first_accept.value, 0.99)
+        best_k, best_rate = self.max_k, 0.0
+        if t(1) is not None and t_draft is not None:
+            best_k, best_rate = 0, rows / t(1)
+            for k in range(1, self.max_k + 1):
+                expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
+                rate = expected / (rows * k * t_draft + t(k + 1))
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+            if best_k == 0:
+                self.batch_plain_steps += 1
+                if self.batch_plain_steps >= self.probe_every * rows:  # now and then, see if drafting pays again
+                    best_k, self.batch_plain_steps = 1, 0
+            else:
+                self.batch_plain_steps = 0
+        self.batch_decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
+        self.batch_cap = best_k
+        return best_k
+
     def keep_going(self, drafted: int, confidence: float) -> bool:
         return True
 
@@ -122,10 +154,12 @@ class FixedK:
 class AdaptiveK:
     """Draft length and on/off chosen per step from measured costs and calibrated acceptance.
 
-    In a batch (`rows` > 1) each row is charged its share of the verify pass (pass time / rows) and
-    the full time of its own draft (rows draft one after another): as the batch grows, a drafted
-    token must save more, until plain decoding wins. That is the load-aware part; at rows = 1 it is
-    the single-sequence rule.
+    In a batch (`plan_batch`, the load-aware part) one decision covers all rows, because the verify
+    pass is as wide as its widest row: the draft cap k maximising the batch's expected tokens per
+    second, where drafting costs every row's draft time (rows draft one after another) and verifying
+    costs a pass of rows x (k + 1) tokens. As the batch grows verification stops being free and the
+    cap falls to 0 (plain decoding). Within the cap, each row still stops early by the marginal rule,
+    charged its share of the pass.
     """
 
     def __init__(self, max_k: int = 8, probe_every: int = 8, min_gain: float = 1.0):
@@ -138,7 +172,10 @@ class AdaptiveK:
         # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
         self.position_accept: dict[str, list[Ema]] = {}
         self._expected = self._elapsed = 0.0
-        self.rows = 1  # rows in the current batch (set by the batched engine each step)
+        self.rows = 1  # rows in the current batch (set by plan_batch)
+        self.batch_cap: int | None = None  # the batch's draft cap this step (None: single-sequence rule)
+        self.batch_plain_steps = 0
+        self.batch_decisions: dict[int, list[int]] = {}  # rows -> [plain steps, speculative steps]
 
     def _verify(self, positions: int) -> float:
         """This row's share of a verify pass where every row scores `positions` positions."""
@@ -149,6 +186,11 @@ class AdaptiveK:
         """0 means: do not draft this step (plain decoding)."""
         if max_len <= 0:
             return 0
+        if self.batch_cap is not None:  # the batch decided
+            if self.batch_cap == 0:
+                return 0
+            self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
+            return min(self.batch_cap, self.max_k, max_len)
         t_plain, t_draft = self._verify(1), self.costs.draft_time()
         if t_plain and t_draft and self.plain_steps < self.probe_every:
             speculative_rate = (1 + self.first_accept.value) / (t_draft + self._verify(2))
@@ -159,6 +201,32 @@ class AdaptiveK:
         self.plain_steps = 0
         self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
         return min(self.max_k, max_len)
+
+    def plan_batch(self, rows: int) -> int:
+        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows."""
+        self.rows = rows
+        if rows == 1:
+            self.batch_cap = None  # one sequence: the per-step rule of `plan`
+            return self.max_k
+        t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
+        t_draft, alpha = self.costs.mean_draft_time(), min(self.first_accept.value, 0.99)
+        best_k, best_rate = self.max_k, 0.0
+        if t(1) is not None and t_draft is not None:
+            best_k, best_rate = 0, rows / t(1)
+            for k in range(1, self.max_k + 1):
+                expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
+                rate = expected / (rows * k * t_draft + t(k + 1))
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+            if best_k == 0:
+                self.batch_plain_steps += 1
+                if self.batch_plain_steps >= self.probe_every * rows:  # now and then, see if drafting pays again
+                    best_k, self.batch_plain_steps = 1, 0
+            else:
+                self.batch_plain_steps = 0
+        self.batch_decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
+        self.batch_cap = best_k
+        return best_k
 
     def keep_going(self, drafted: int, confidence: float) -> bool:
         """After `drafted` tokens, the last with draft confidence `confidence`: draft one more?"""

@@ -23,8 +23,9 @@ from .verify import greedy_accept, speculative_accept
 @dataclass
 class GenerationResult:
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
-    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", or "cancelled"
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled" or "error"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    error: str | None = None  # what went wrong, when finish_reason is "error"
 
 
 def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, window: int | None = None) -> None:
@@ -106,6 +107,10 @@ class Sequence:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def fail(self, error: Exception) -> None:
+        self.result.finish_reason = "error"
+        self.result.error = f"{type(error).__name__}: {error}"
 
     def propose(self, controller) -> Draft:
         """This step's draft (empty: a plain step). No need to draft past the budget: the target adds one token."""

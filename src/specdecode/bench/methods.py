@@ -108,20 +108,22 @@ class HFMethod(Method):
         return Run(tokens, (timer.first_token_at or start + latency) - start, latency, {"new_tokens": len(tokens)})
 
 
-def parse_spec_method(name: str, default_draft: str, default_k: int | None) -> tuple[str, int, bool]:
+def parse_spec_method(name: str, default_draft: str, default_k: int | None, default_adaptive: bool | None = None) -> tuple[str, int, bool]:
     """'spec[:DRAFTER[:K]]' -> (drafter spec, k, adaptive). K is a number (fixed) or aN (adaptive, at
-    most N); without K, the `auto` drafters are adaptive (k ≤ 8) and the others fixed (k = 5)."""
+    most N); without K, default_adaptive decides, else the `auto` drafters are adaptive (k ≤ 8) and the
+    others fixed (k = 5)."""
     parts = name.split(":", 1)[1].rsplit(":", 1) if ":" in name else [default_draft]
     if len(parts) == 2 and not parts[1].lstrip("a").isdigit():  # 'auto:MODEL' carries no K
         parts = [":".join(parts)]
     spec = parts[0] or default_draft
     if len(parts) == 1:
-        adaptive = spec.startswith("auto")
+        adaptive = spec.startswith("auto") if default_adaptive is None else default_adaptive
         return spec, default_k or (DEFAULT_MAX_K if adaptive else DEFAULT_K), adaptive
     return spec, int(parts[1].lstrip("a")), parts[1].startswith("a")
 
 
-def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int, dtype) -> list[Method]:
+def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int | None, dtype,
+                  default_adaptive: bool | None = None) -> list[Method]:
     """Parse method names; draft models are loaded once and shared between methods."""
     drafters: dict[str, Drafter | None] = {}
 
@@ -136,7 +138,7 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
         if name == "plain":
             methods.append(OursMethod(name, target, tokenizer, eos, None, DEFAULT_K))
         elif name == "spec" or name.startswith("spec:"):
-            spec, k, adaptive = parse_spec_method(name, default_draft, default_k)
+            spec, k, adaptive = parse_spec_method(name, default_draft, default_k, default_adaptive)
             methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k, adaptive))
         elif name == "hf-greedy":
             methods.append(HFMethod(name, target, eos, pad))

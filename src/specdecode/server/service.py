@@ -160,6 +160,9 @@ class Service:
                 return
             if seq.finished:
                 del self._handles[seq]
+        if seq.result.finish_reason == "error":
+            handle.put("error", f"generation failed: {seq.result.error or 'unknown error'}")
+            return
         piece = handle.stream.piece()
         if piece:
             handle.put("text", piece)

@@ -1,0 +1,154 @@
+"""Load benchmark of any OpenAI-compatible server: concurrent streaming chat requests at several
+concurrency levels; time to first token, inter-token latency, request latency, output tokens/s, errors.
+
+Bounded: at most `requests` requests per level, and no new request starts after `time_limit` seconds.
+Several endpoints are measured level by level, one after the other (so a noisy machine affects them alike).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    completion_tokens: int = 0
+    itl_s: float = 0.0  # mean inter-token latency after the first token
+    error: str = ""
+
+
+@dataclass
+class LevelResult:
+    endpoint: str
+    concurrency: int
+    wall_s: float
+    requests: list[RequestResult] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        ok = [r for r in self.requests if r.ok]
+        tokens = sum(r.completion_tokens for r in ok)
+
+        def pct(values, q):
+            return float(np.percentile(values, q)) if values else None
+
+        lat, ttft, itl = [r.latency_s for r in ok], [r.ttft_s for r in ok], [r.itl_s for r in ok if r.completion_tokens > 1]
+        return dict(
+            endpoint=self.endpoint, concurrency=self.concurrency, requests=len(self.requests), errors=len(self.requests) - len(ok),
+            output_tokens=tokens, wall_s=self.wall_s, output_tokens_per_s=tokens / self.wall_s if self.wall_s else 0.0,
+            latency_p50=pct(lat, 50), latency_p90=pct(lat, 90), latency_p99=pct(lat, 99),
+            ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99), itl_p50=pct(itl, 50), itl_p99=pct(itl, 99),
+        )
+
+
+async def _one(client, model: str, messages: list[dict], max_tokens: int, temperature: float) -> RequestResult:
+    start = time.perf_counter()
+    first = last = None
+    pieces = tokens = 0
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or now
+                last = now
+                pieces += 1
+            if getattr(chunk, "usage", None):
+                tokens = chunk.usage.completion_tokens
+    except Exception as error:  # counted, not raised: a load test reports errors
+        return RequestResult(ok=False, latency_s=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"[:300])
+    end = time.perf_counter()
+    tokens = tokens or pieces  # servers that do not report usage: count streamed pieces
+    itl = (last - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0
+    return RequestResult(ok=True, ttft_s=(first or end) - start, latency_s=end - start, completion_tokens=tokens, itl_s=itl)
+
+
+async def run_level(url: str, model: str | None, prompts: list[list[dict]], concurrency: int, requests: int,
+                    max_tokens: int, temperature: float, time_limit: float, progress=None) -> LevelResult:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=max(60.0, time_limit * 2))
+    if model is None:
+        model = (await client.models.list()).data[0].id
+    queue = list(range(requests))
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+
+    async def worker():
+        while queue and time.perf_counter() - start < time_limit:
+            i = queue.pop(0)
+            results.append(await _one(client, model, prompts[i % len(prompts)], max_tokens, temperature))
+            if progress:
+                progress(1)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return LevelResult(url, concurrency, wall, results)
+
+
+def run_load(endpoints: dict[str, str], prompts: list[list[dict]], concurrency: list[int], requests: int, max_tokens: int,
+             temperature: float = 0.0, time_limit: float = 600.0, model: str | None = None, progress=None) -> list[dict]:
+    """For each concurrency level, each endpoint in turn; returns one summary dict per (endpoint, level)."""
+    rows = []
+    for c in concurrency:
+        for label, url in endpoints.items():
+            level = asyncio.run(run_level(url, model, prompts, c, requests, max_tokens, temperature, time_limit, progress))
+            summary = level.summary()
+            summary["label"] = label
+            summary["errors_sample"] = [r.error for r in level.requests if not r.ok][:3]
+            summary["raw"] = [asdict(r) for r in level.requests]
+            rows.append(summary)
+    return rows
+
+
+def load_markdown(rows: list[dict], command: str) -> str:
+    lines = [
+        "# Load benchmark", "", f"`{command}`", "",
+        "| endpoint | concurrency | requests | errors | output tok/s | latency p50 s | p90 s | p99 s | TTFT p50 s | TTFT p99 s | ITL p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def f(x, scale=1.0, digits=2):
+        return "-" if x is None else f"{x * scale:.{digits}f}"
+
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'])} | "
+            f"{f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
+            f"{f(r['itl_p50'], 1000, 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def load_plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = [r for r in rows if r["label"] == label]
+        levels = [r["concurrency"] for r in mine]
+        ax1.plot(levels, [r["output_tokens_per_s"] for r in mine], marker="o", label=label)
+        ax2.plot(levels, [r["latency_p50"] or 0 for r in mine], marker="o", label=f"{label} p50")
+        ax2.plot(levels, [r["latency_p99"] or 0 for r in mine], marker="x", linestyle="--", label=f"{label} p99")
+    ax1.set(xlabel="concurrency", ylabel="output tokens/s", title="throughput")
+    ax2.set(xlabel="concurrency", ylabel="request latency (s)", title="latency")
+    for ax in (ax1, ax2):
+        ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
