@@ -177,7 +177,7 @@ class BatchEngine:
                     failed.append(seq)
                     continue
             drafts.append(draft)
-            draft_s.append(time.perf_counter() - t0)
+            draft_s.append(time.perf_counter() - t0 - seq.step_prefill_s)  # a deferred prompt reading is not drafting
             seq.stats.draft_time_s += draft_s[-1]
         report.draft_s = sum(draft_s)
         if failed:
@@ -247,7 +247,7 @@ class BatchEngine:
                 continue
             cache = DynamicCache(config=self.target.config)
             try:
-                seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1])
+                seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1], prefill_drafter=False)
             except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
                 seq.fail(error)
                 report.finished.append(seq)

@@ -64,6 +64,8 @@ class Sequence:
         self.result.stats.prompt_tokens = self.prompt.shape[1]
         self.ids = self.prompt  # committed tokens [1, n]
         self.new: list[int] = []  # committed by the last step, not yet emitted
+        self.drafter_ready = False  # the drafter has read the prompt
+        self.step_prefill_s = 0.0  # of the last propose, the drafter's (deferred) prompt reading
         self.cancelled = False
         self.started = time.perf_counter()
 
@@ -75,18 +77,29 @@ class Sequence:
     def finished(self) -> bool:
         return self.result.finish_reason is not None
 
-    def start(self, logits: torch.Tensor) -> None:
-        """The prefill's last-position logits [1, V] give the first token; the drafter reads the prompt."""
+    def start(self, logits: torch.Tensor, prefill_drafter: bool = True) -> None:
+        """The prefill's last-position logits [1, V] give the first token. The drafter reads the prompt now,
+        or (prefill_drafter=False, the batched engine) at the first step that drafts: under load, when
+        speculation is off, a request then never pays for the draft model reading its prompt."""
         self.stats.target_passes += 1
         first = logits.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(logits, self.sampling), self.generator)
         self.ids = torch.cat([self.prompt, first[:, None].cpu()], dim=1)
         self.new = [int(first)]
         self.stats.time_to_first_token_s = time.perf_counter() - self.started
+        self.drafter_ready = False
         if self.drafter is not None:
-            t0 = time.perf_counter()
             self.drafter.reset()
-            self.drafter.prefill(self.prompt)  # the draft reads the prompt once; not a draft step's cost
-            self.stats.draft_prefill_s = time.perf_counter() - t0
+            if prefill_drafter:
+                self._prefill_drafter()
+
+    def _prefill_drafter(self) -> float:
+        """The draft reads the prompt once (not a draft step's cost); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.drafter.prefill(self.prompt)
+        self.drafter_ready = True
+        seconds = time.perf_counter() - t0
+        self.stats.draft_prefill_s += seconds
+        return seconds
 
     def emit(self) -> list[int]:
         """Move the last step's tokens to the output, cut at EOS / stop string / budget; returns what was added."""
@@ -115,12 +128,15 @@ class Sequence:
     def propose(self, controller) -> Draft:
         """This step's draft (empty: a plain step). No need to draft past the budget: the target adds one token."""
         draft = Draft.empty()
+        self.step_prefill_s = 0.0
         if self.drafter is None:
             return draft
         budget = self.max_new_tokens - len(self.result.token_ids) - 1
         controller.max_k = self.k
         draft_len = controller.plan(budget)
         if draft_len > 0:
+            if not self.drafter_ready:
+                self.step_prefill_s = self._prefill_drafter()
             passes_before = self.drafter.forward_passes
             draft = controller.trim(self.drafter.propose(self.ids, draft_len, self.sampling, self.generator, controller.keep_going))
             draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
