@@ -21,6 +21,6 @@ $SD bench --endpoint off=http://127.0.0.1:8301 --endpoint always=http://127.0.0.
   --endpoint load-aware=http://127.0.0.1:8303 --concurrency 1,4,8 --requests 8 --per-task 1 \
   --max-new-tokens 64 --out "$OUT" "$@"
 for mode in off always load-aware; do
-  curl -s "http://127.0.0.1:${PORTS[$mode]}/metrics" | grep -E '^specdecode_(steps_total|draft_tokens_total|accepted_tokens_total)' \
+  curl -s "http://127.0.0.1:${PORTS[$mode]}/metrics" | grep -E '^specdecode_(steps_total|batch_steps_total|draft_tokens_total|accepted_tokens_total)' \
     | sed "s/^/$mode /" >> "$OUT/metrics.txt"
 done

@@ -145,6 +145,8 @@ def test_load_aware_control_turns_speculation_off_as_the_batch_grows():
     assert ctl.plan_batch(16) == 0 and ctl.plan(10) == 0  # sixteen rows: plain decoding for all
     assert ctl.plan_batch(2) > 0  # two rows: verification is still nearly free
     assert ctl.batch_decisions[16] == [1, 0] and ctl.batch_decisions[2] == [0, 1]
+    ctl.costs.observe_draft_prefill(100, 0.5)  # drafters that never drafted would first read their prompts:
+    assert ctl.plan_batch(2, unread_prompt_tokens=400) == 0  # a one-off 2 s the step would pay
 
 
 def test_load_aware_control_probes_again_after_plain_steps():

@@ -47,6 +47,7 @@ class StepReport:
     draft_s: float = 0.0
     verify_s: float = 0.0
     speculative: bool = False  # some row drafted this step
+    cap: int | None = None  # load-aware control's draft cap for the batch (None: not decided per batch)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -159,7 +160,8 @@ class BatchEngine:
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
         calibrate = controller is not None and not controller.costs.measured(1, B)
         if controller is not None and not calibrate:
-            controller.plan_batch(B)
+            unread = sum(seq.prompt.shape[1] for seq in self.rows if seq.drafter is not None and not seq.drafter_ready)
+            report.cap = controller.plan_batch(B, unread)
 
         drafts: list[Draft] = []
         draft_s: list[float] = []
@@ -178,6 +180,8 @@ class BatchEngine:
                     continue
             drafts.append(draft)
             draft_s.append(time.perf_counter() - t0 - seq.step_prefill_s)  # a deferred prompt reading is not drafting
+            if seq.step_prefill_s and controller is not None:
+                controller.costs.observe_draft_prefill(seq.prompt.shape[1], seq.step_prefill_s)
             seq.stats.draft_time_s += draft_s[-1]
         report.draft_s = sum(draft_s)
         if failed:

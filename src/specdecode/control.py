@@ -57,6 +57,11 @@ class CostModel:
     draft_token_s: dict[str, Ema] = field(default_factory=dict)
     verify_s: dict[int, Ema] = field(default_factory=dict)
     any_draft_token_s: Ema = field(default_factory=lambda: Ema(0.2))
+    draft_prefill_token_s: Ema = field(default_factory=lambda: Ema(0.2))  # a drafter reading a prompt, per token
+
+    def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            self.draft_prefill_token_s.update(seconds / tokens)
 
     def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
         if tokens:
@@ -108,32 +113,6 @@ class FixedK:
 
     def plan(self, max_len: int) -> int:
         return min(self.max_k, max_len)
-
-    def plan_batch(self, rows: int) -> int:
-        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows."""
-        self.rows = rows
-        if rows == 1:
-            self.batch_cap = None  # one sequence: the per-step rule of `plan`
-            return self.max_k
-        t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
-        t_draft, alpha = self.costs.mean_draft_time(), min(self.first_accept.value, 0.99)
-        best_k, best_rate = self.max_k, 0.0
-        if t(1) is not None and t_draft is not None:
-            best_k, best_rate = 0, rows / t(1)
-            for k in range(1, self.max_k + 1):
-                expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
-                rate = expected / (rows * k * t_draft + t(k + 1))
-                if rate > best_rate:
-                    best_k, best_rate = k, rate
-            if best_k == 0:
-                self.batch_plain_steps += 1
-                if self.batch_plain_steps >= self.probe_every * rows:  # now and then, see if drafting pays again
-                    best_k, self.batch_plain_steps = 1, 0
-            else:
-                self.batch_plain_steps = 0
-        self.batch_decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
-        self.batch_cap = best_k
-        return best_k
 
     def keep_going(self, drafted: int, confidence: float) -> bool:
         return True
@@ -202,8 +181,12 @@ class AdaptiveK:
         self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
         return min(self.max_k, max_len)
 
-    def plan_batch(self, rows: int) -> int:
-        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows."""
+    BATCH_MIN_GAIN = 1.15  # a batch drafts only for a clear predicted gain: estimates are noisy, switching is not free
+
+    def plan_batch(self, rows: int, unread_prompt_tokens: int = 0) -> int:
+        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows.
+        unread_prompt_tokens: prompt tokens the drafters of rows that never drafted would have to read
+        first (a one-off cost a drafting step pays)."""
         self.rows = rows
         if rows == 1:
             self.batch_cap = None  # one sequence: the per-step rule of `plan`
@@ -212,10 +195,11 @@ class AdaptiveK:
         t_draft, alpha = self.costs.mean_draft_time(), min(self.first_accept.value, 0.99)
         best_k, best_rate = self.max_k, 0.0
         if t(1) is not None and t_draft is not None:
-            best_k, best_rate = 0, rows / t(1)
+            best_k, best_rate = 0, self.BATCH_MIN_GAIN * rows / t(1)
+            catch_up = unread_prompt_tokens * (self.costs.draft_prefill_token_s.value or 0.0)
             for k in range(1, self.max_k + 1):
                 expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
-                rate = expected / (rows * k * t_draft + t(k + 1))
+                rate = expected / (rows * k * t_draft + t(k + 1) + catch_up)
                 if rate > best_rate:
                     best_k, best_rate = k, rate
             if best_k == 0:
