@@ -154,8 +154,12 @@ def test_load_aware_control_probes_again_after_plain_steps():
     for positions in (1, 2, 3, 5):
         ctl.observe_pass(positions, 4, 0.25 + 0.05 * 4 * positions)  # compute-bound: drafting never pays
     ctl.observe_row("model", [0.5], drafted=1, accepted=0, draft_s=0.05)
-    caps = [ctl.plan_batch(4) for _ in range(9)]
-    assert caps == [0] * 7 + [1] + [0]  # every (probe_every x rows)-th step a one-token probe
+    caps, drafting_rows = [], []
+    for _ in range(9):
+        caps.append(ctl.plan_batch(4))
+        drafting_rows.append(sum(ctl.plan(10) > 0 for _ in range(4)))
+    assert caps == [0] * 7 + [1] + [0]  # every (probe_every x rows)-th step a probe...
+    assert drafting_rows == [0] * 7 + [1] + [0]  # ...of one row (the others do not pay for it)
 
 
 def test_adaptive_falls_back_to_plain_and_probes_again():

@@ -154,6 +154,7 @@ class AdaptiveK:
         self.rows = 1  # rows in the current batch (set by plan_batch)
         self.batch_cap: int | None = None  # the batch's draft cap this step (None: single-sequence rule)
         self.batch_plain_steps = 0
+        self._probe_rows: int | None = None  # during a batch probe: how many more rows may draft
         self.batch_decisions: dict[int, list[int]] = {}  # rows -> [plain steps, speculative steps]
 
     def _verify(self, positions: int) -> float:
@@ -168,6 +169,10 @@ class AdaptiveK:
         if self.batch_cap is not None:  # the batch decided
             if self.batch_cap == 0:
                 return 0
+            if self._probe_rows is not None:  # a probe: one row drafts one token, the others wait
+                if self._probe_rows == 0:
+                    return 0
+                self._probe_rows -= 1
             self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
             return min(self.batch_cap, self.max_k, max_len)
         t_plain, t_draft = self._verify(1), self.costs.draft_time()
@@ -191,6 +196,7 @@ class AdaptiveK:
         if rows == 1:
             self.batch_cap = None  # one sequence: the per-step rule of `plan`
             return self.max_k
+        self._probe_rows = None
         t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
         t_draft, alpha = self.costs.mean_draft_time(), min(self.first_accept.value, 0.99)
         best_k, best_rate = self.max_k, 0.0
@@ -205,7 +211,7 @@ class AdaptiveK:
             if best_k == 0:
                 self.batch_plain_steps += 1
                 if self.batch_plain_steps >= self.probe_every * rows:  # now and then, see if drafting pays again
-                    best_k, self.batch_plain_steps = 1, 0
+                    best_k, self.batch_plain_steps, self._probe_rows = 1, 0, 1  # cheaply: one row, one token
             else:
                 self.batch_plain_steps = 0
         self.batch_decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
