@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -205,13 +205,14 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
 
     if not body.stream:
         pieces, finish = [], None
-        async for kind, value in _events(request, service, handle):
-            if kind == "text":
-                pieces.append(value)
-            elif kind == "error":
-                return _error(500, value)
-            else:
-                finish = value
+        async with aclosing(_events(request, service, handle)) as events:  # closing it cancels an unfinished row
+            async for kind, value in events:
+                if kind == "text":
+                    pieces.append(value)
+                elif kind == "error":
+                    return _error(500, value)
+                else:
+                    finish = value
         if finish is None:  # the client went away
             return Response(status_code=499)
         stats = handle.seq.stats
@@ -230,16 +231,17 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
     async def stream():
         if chat:
             yield sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
-        async for kind, value in _events(request, service, handle):
-            if kind == "text":
-                yield sse({"choices": [choice(value, None, stream=True)]})
-            elif kind == "error":
-                yield f"data: {json.dumps(error_body(500, value))}\n\n"
-                return
-            else:
-                yield sse({"choices": [choice(None if chat else "", value, stream=True)]})
-                if (body.stream_options or {}).get("include_usage"):
-                    yield sse({"choices": [], "usage": usage()})
-                yield "data: [DONE]\n\n"
+        async with aclosing(_events(request, service, handle)) as events:  # a client that hangs up closes it
+            async for kind, value in events:
+                if kind == "text":
+                    yield sse({"choices": [choice(value, None, stream=True)]})
+                elif kind == "error":
+                    yield f"data: {json.dumps(error_body(500, value))}\n\n"
+                    return
+                else:
+                    yield sse({"choices": [choice(None if chat else "", value, stream=True)]})
+                    if (body.stream_options or {}).get("include_usage"):
+                        yield sse({"choices": [], "usage": usage()})
+                    yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")
