@@ -241,7 +241,7 @@ def test_load_benchmark_against_two_endpoints(server, tmp_path):
     prompts.write_text("w3 w4 w5\nw9 w8 w7 w6\nw20 w30\n")
     out = tmp_path / "load"
     code = main(["bench", "--endpoint", f"a={server.url}", "--endpoint", f"b={server.url}", "--concurrency", "1,3",
-                 "--requests", "3", "--max-new-tokens", "6", "--prompts", str(prompts), "--out", str(out)])
+                 "--requests", "3", "--rounds", "1", "--max-new-tokens", "6", "--prompts", str(prompts), "--out", str(out)])
     assert code == 0
     import json
 
@@ -258,4 +258,20 @@ def test_load_benchmark_counts_errors(tmp_path):
     from specdecode.bench.load import run_load
 
     rows = run_load({"nothing": f"http://127.0.0.1:{free_port()}"}, [[{"role": "user", "content": "w3"}]], [1], 2, 4, model="x")
-    assert rows[0]["errors"] == 2 and rows[0]["output_tokens"] == 0
+    assert rows[0]["errors"] == 4 and rows[0]["output_tokens"] == 0  # 2 requests x 2 rounds
+
+
+def test_load_rounds_reverse_the_endpoint_order(monkeypatch):
+    import specdecode.bench.load as load
+
+    seen = []
+
+    async def fake_level(url, *args):
+        seen.append(url)
+        return load.LevelResult(url, args[2], 1.0, [load.RequestResult(ok=True, latency_s=1.0, completion_tokens=5)])
+
+    monkeypatch.setattr(load, "run_level", fake_level)
+    rows = load.run_load({"a": "A", "b": "B", "c": "C"}, [], [1, 4], 1, 8, rounds=2)
+    assert seen == ["A", "B", "C", "C", "B", "A"] * 2
+    assert [(r["label"], r["concurrency"], r["requests"], r["output_tokens"]) for r in rows] == [
+        (x, c, 2, 10) for c in (1, 4) for x in ("a", "b", "c")]

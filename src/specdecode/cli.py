@@ -222,9 +222,11 @@ def cmd_load_bench(args) -> int:
     if any(c < 1 for c in levels) or args.requests < 1:
         raise ValueError("--concurrency levels and --requests must be >= 1")
     prompts = [[{"role": "user", "content": p.text}] for p in _load_prompts(args)]
-    with tqdm(total=len(levels) * len(endpoints) * args.requests, desc="load", unit="req") as bar:
+    if args.rounds < 1:
+        raise ValueError("--rounds must be >= 1")
+    with tqdm(total=len(levels) * len(endpoints) * args.requests * args.rounds, desc="load", unit="req") as bar:
         rows = run_load(endpoints, prompts, levels, args.requests, args.max_new_tokens, args.temperature,
-                        args.time_limit, args.model, progress=bar.update)
+                        args.time_limit, args.model, progress=bar.update, rounds=args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -400,7 +402,9 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
                    help="load-benchmark a running OpenAI-compatible server instead (repeatable: measured level by level)")
     b.add_argument("--concurrency", default="1,4,8", help="with --endpoint: concurrent clients per level")
-    b.add_argument("--requests", type=int, default=8, help="with --endpoint: requests per level")
+    b.add_argument("--requests", type=int, default=8, help="with --endpoint: requests per level and round")
+    b.add_argument("--rounds", type=int, default=2,
+                   help="with --endpoint: rounds per level, endpoint order reversed every other round (pooled)")
     b.add_argument("--time-limit", type=float, default=600.0, help="with --endpoint: no new request after this many seconds per level")
     b.add_argument("--model", default=None, help="with --endpoint: model name to request (default: the server's first)")
     b.set_defaults(func=cmd_bench, max_new_tokens=128, **(config or {}))

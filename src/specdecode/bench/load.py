@@ -1,8 +1,9 @@
 """Load benchmark of any OpenAI-compatible server: concurrent streaming chat requests at several
 concurrency levels; time to first token, inter-token latency, request latency, output tokens/s, errors.
 
-Bounded: at most `requests` requests per level, and no new request starts after `time_limit` seconds.
-Several endpoints are measured level by level, one after the other (so a noisy machine affects them alike).
+Bounded: at most `requests` requests per level and round, and no new request starts after `time_limit` seconds.
+Several endpoints are measured level by level, one after the other; with rounds = 2 (the default) each level runs
+them in order and then in reverse order and pools both, so no endpoint always runs right after a heavy one.
 """
 
 from __future__ import annotations
@@ -97,14 +98,24 @@ async def run_level(url: str, model: str | None, prompts: list[list[dict]], conc
 
 
 def run_load(endpoints: dict[str, str], prompts: list[list[dict]], concurrency: list[int], requests: int, max_tokens: int,
-             temperature: float = 0.0, time_limit: float = 600.0, model: str | None = None, progress=None) -> list[dict]:
-    """For each concurrency level, each endpoint in turn; returns one summary dict per (endpoint, level)."""
+             temperature: float = 0.0, time_limit: float = 600.0, model: str | None = None, progress=None,
+             rounds: int = 2) -> list[dict]:
+    """For each concurrency level, each endpoint in turn (reversed on every other round); returns one summary dict
+    per (endpoint, level) over all its rounds."""
     rows = []
     for c in concurrency:
-        for label, url in endpoints.items():
-            level = asyncio.run(run_level(url, model, prompts, c, requests, max_tokens, temperature, time_limit, progress))
+        pooled = {label: LevelResult(url, c, 0.0) for label, url in endpoints.items()}
+        for r in range(rounds):
+            order = list(endpoints) if r % 2 == 0 else list(reversed(endpoints))
+            for label in order:
+                level = asyncio.run(run_level(endpoints[label], model, prompts, c, requests, max_tokens, temperature,
+                                              time_limit, progress))
+                pooled[label].wall_s += level.wall_s
+                pooled[label].requests += level.requests
+        for label, level in pooled.items():
             summary = level.summary()
             summary["label"] = label
+            summary["rounds"] = rounds
             summary["errors_sample"] = [r.error for r in level.requests if not r.ok][:3]
             summary["raw"] = [asdict(r) for r in level.requests]
             rows.append(summary)
