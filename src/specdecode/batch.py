@@ -29,7 +29,7 @@ from .control import AdaptiveK, FixedK
 from .drafters.base import Draft, Drafter
 from .engine import target_logits
 from .sampling import SamplingParams
-from .sequence import Sequence, validate_request
+from .sequence import Sequence, context_window, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
 
@@ -100,7 +100,7 @@ class BatchEngine:
 
     @property
     def context_window(self) -> int | None:
-        return getattr(self.target.config, "max_position_embeddings", None)
+        return context_window(self.target)
 
     def submit(
         self,

@@ -339,7 +339,9 @@ def cmd_tune(args) -> int:
         table.add_row(row["method"], str(row["prompts"]), f"{row['speedup_mean']:.2f}x", f"{row['speedup_min']:.2f}x",
                       f"{row['acceptance']:.0%}", *(f"{row['by_task'][t]:.2f}x" if t in row["by_task"] else "-" for t in tasks))
     Console(width=None if sys.stdout.isatty() else 200).print(table)
-    dtype = args.dtype or str(target.dtype).replace("torch.bfloat16", "bf16").replace("torch.float32", "fp32").replace("torch.float16", "fp16")
+    from .models import DTYPES
+
+    dtype = args.dtype or {v: k for k, v in DTYPES.items()}.get(target.dtype)
     config = write_config(Path(args.out), result, target=args.target, dtype=dtype, threads=args.threads,
                           max_new_tokens=args.max_new_tokens, command="specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     console.print(f"best: {config['tuned']['method']} ({config['tuned']['speedup_vs_plain']:.2f}x plain) -> {args.out}: "

@@ -17,7 +17,7 @@ from .control import AdaptiveK, FixedK
 from .drafters.base import Drafter
 from .drafters.model import rollback
 from .sampling import SamplingParams
-from .sequence import GenerationResult, Sequence, validate_request
+from .sequence import GenerationResult, Sequence, context_window, validate_request
 from .stopping import StopCondition
 
 __all__ = ["Generation", "GenerationResult", "SpeculativeEngine", "validate_request"]
@@ -68,7 +68,7 @@ class SpeculativeEngine:
 
     @property
     def context_window(self) -> int | None:
-        return getattr(self.target.config, "max_position_embeddings", None)
+        return context_window(self.target)
 
     def generate(
         self,

@@ -28,6 +28,11 @@ class GenerationResult:
     error: str | None = None  # what went wrong, when finish_reason is "error"
 
 
+def context_window(target) -> int | None:
+    """The most positions (prompt + generated) the target model takes, when its config says."""
+    return getattr(target.config, "max_position_embeddings", None)
+
+
 def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, window: int | None = None) -> None:
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")

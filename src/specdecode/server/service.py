@@ -13,7 +13,7 @@ import torch
 
 from ..batch import BatchEngine
 from ..drafters.base import Drafter
-from ..pipeline import SpecDecoder, TextStream, eos_token_ids
+from ..pipeline import SpecDecoder, TextStream
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 from ..stopping import StopCondition
@@ -65,7 +65,7 @@ class Service:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.decoder = SpecDecoder(target, tokenizer, drafter, k=k, adaptive=adaptive)  # for encode() and EOS ids
         self.engine = BatchEngine(target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch)
-        self.eos = eos_token_ids(target, tokenizer)
+        self.eos = self.decoder.eos
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.speculation = "off" if drafter is None else ("load-aware" if adaptive else f"always (k={k})")
         self.metrics = Metrics()
