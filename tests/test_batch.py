@@ -58,6 +58,20 @@ def test_rows_accept_different_lengths_in_one_step(target, near_draft):
     assert all(0 < s.stats.acceptance_rate < 1 for s in seqs)
 
 
+def test_compaction_only_when_it_frees_slots(target, near_draft, monkeypatch):
+    """A short prompt's left padding beside a long one cannot be freed: gathering the cache for it every
+    step was pure cost. Rejected draft slots can be freed, and are."""
+    gathers = []
+    keep_slots = BatchEngine._keep_slots
+    monkeypatch.setattr(BatchEngine, "_keep_slots", lambda self, index: gathers.append(index.shape) or keep_slots(self, index))
+    plain = BatchEngine(target, None, max_batch=2, compact_above=0.0)
+    run(plain, [(0, 3, 12), (1, 30, 12)])  # same budgets: nobody leaves early
+    assert gathers == []
+    speculative = BatchEngine(target, ModelDrafter(near_draft), k=4, max_batch=2, compact_above=0.0)
+    run(speculative, [(0, 10, 30), (1, 10, 30)])  # ragged acceptance leaves holes in both rows
+    assert gathers  # rejected slots freed
+
+
 def test_off_by_one_slot_is_caught(target, near_draft, references, monkeypatch):
     """Keeping one rejected slot live per row must break identity (so the test above can fail)."""
     monkeypatch.setattr(batch_module, "live_slots", lambda accepted, keep: torch.arange(keep)[None, :] < (2 + torch.tensor(accepted))[:, None])

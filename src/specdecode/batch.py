@@ -6,8 +6,8 @@ axis and differ in which slots are live:
   the row's own positions and a 2-D attention mask marks its live slots (padding and rejected draft
   slots are holes);
 - after verification the shared tail is cropped to the longest accepted row, so holes remain only in
-  rows that accepted less; when holes fill too much of the cache, rows are compacted (live slots
-  gathered to the right);
+  rows that accepted less; when gathering each row's live slots to the right would free enough of the
+  cache, rows are compacted;
 - a new row is prefilled alone and joins by left-padding (its cache or the batch's) to a common
   length; finished rows leave with `batch_select_indices`.
 Greedy output per row equals the same request run alone; sampling stays lossless per row (each row
@@ -299,11 +299,15 @@ class BatchEngine:
             self._keep_slots(torch.arange(first_live, self.mask.shape[1]).expand(len(stay), -1))
 
     def _compact_if_sparse(self) -> None:
-        """Gather each row's live slots to the right when holes fill more than `compact_above` of the cache."""
-        if self.mask is None or (~self.mask).float().mean() <= self.compact_above:
+        """Gather each row's live slots to the right when that frees more than `compact_above` of the cache.
+        Holes alone are no reason: a short prompt's left padding beside a long one cannot be freed, and
+        gathering the whole cache every step for nothing cost ~50 ms a step at 4 rows on the Qwen pair."""
+        if self.mask is None:
             return
         live = self.mask.sum(1)
         common = int(live.max())
+        if self.mask.shape[1] - common <= self.compact_above * self.mask.shape[1]:
+            return
         index = torch.zeros(len(self.rows), common, dtype=torch.long)
         for i, row in enumerate(self.mask):
             slots = row.nonzero().flatten()
