@@ -6,6 +6,8 @@ import torch
 import specdecode.batch as batch_module
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams
 from specdecode.batch import BatchEngine
+from specdecode.control import AdaptiveK
+from specdecode.drafters import ComboDrafter
 from specdecode.stopping import StopCondition
 from stats_check import fit
 from test_sampling import ALPHA, SETTINGS, VOCAB, exact_marginals, small_vocab_pair  # noqa: F401
@@ -41,6 +43,37 @@ def test_every_row_equals_its_solo_greedy_output(target, weak_draft, near_draft,
         assert seq.result.finish_reason == "length"
     assert max(r.rows for r in reports) == 4  # the batch really was a batch
     assert engine.cache is None and not engine.rows  # everyone left
+
+
+@pytest.fixture
+def model_drafting_never_pays(monkeypatch):
+    """Load-aware control deciding, at every batch of 2+ rows, that model drafting loses: the engine
+    then verifies lookup (n-gram) drafts only."""
+    plan_batch = AdaptiveK.plan_batch
+
+    def no_model_drafts(self, rows, *args, **kwargs):
+        cap = plan_batch(self, rows, *args, **kwargs)
+        if rows > 1:
+            self.batch_cap = cap = 0
+        return cap
+
+    monkeypatch.setattr(AdaptiveK, "plan_batch", no_model_drafts)
+
+
+@pytest.mark.parametrize("which", ["auto", "ngram"])
+def test_lookup_only_batches_equal_solo_greedy_output(target, near_draft, references, model_drafting_never_pays, monkeypatch, which):
+    drafter = ComboDrafter(ModelDrafter(near_draft), min_match=2) if which == "auto" else NgramDrafter()
+    engine = BatchEngine(target, drafter, k=4, adaptive=True, max_batch=4)
+    model_drafts_at = []  # rows in the batch whenever the draft model drafted
+    propose = ModelDrafter.propose
+    monkeypatch.setattr(ModelDrafter, "propose", lambda self, *a, **kw: model_drafts_at.append(len(engine.rows)) or propose(self, *a, **kw))
+    seqs, reports = run(engine)
+    for seq, (seed, _, _) in zip(seqs, REQUESTS):
+        assert seq.result.token_ids == references[seed], f"request {seed}"
+    lookup = [r for r in reports if r.lookup_only]
+    assert lookup and sum(r.drafted for r in lookup) > 0 and sum(r.accepted for r in lookup) > 0
+    assert all(r.rows > 1 for r in lookup)
+    assert set(model_drafts_at) <= {1}  # the draft model never ran in a batch (one-row steps may use it)
 
 
 def test_rows_accept_different_lengths_in_one_step(target, near_draft):
@@ -153,6 +186,21 @@ def test_batched_sampling_matches_target_distribution(small_vocab_pair, params):
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
     engine = BatchEngine(target, ModelDrafter(draft), k=2, max_batch=32)
+    sample_many_and_compare(engine, target, prompt, params)
+
+
+@pytest.mark.parametrize("params", SETTINGS[:2], ids=lambda p: f"T{p.temperature}")
+def test_batched_lookup_drafts_keep_sampling_lossless(small_vocab_pair, params, model_drafting_never_pays):  # noqa: F811
+    target, _ = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    engine = BatchEngine(target, NgramDrafter(max_ngram=2), k=2, adaptive=True, max_batch=32)
+    drafted = sample_many_and_compare(engine, target, prompt, params)
+    assert drafted > 0
+
+
+def sample_many_and_compare(engine, target, prompt, params) -> int:
+    """1500 sampled rows of 3 tokens; generated positions 2 and 3 must follow the target's exact
+    marginals. Returns how many tokens were drafted."""
     n = 1500
     seqs = engine.generate_all([
         dict(input_ids=prompt, max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=i))
@@ -161,3 +209,4 @@ def test_batched_sampling_matches_target_distribution(small_vocab_pair, params):
     exact2, exact3 = exact_marginals(target, prompt, params)
     results = [fit([s.result.token_ids[1] for s in seqs], exact2), fit([s.result.token_ids[2] for s in seqs], exact3)]
     assert all(pv > ALPHA for pv, _ in results), results
+    return sum(s.stats.drafted_tokens for s in seqs)

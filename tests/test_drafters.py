@@ -162,6 +162,43 @@ def test_load_aware_control_probes_again_after_plain_steps():
     assert drafting_rows == [0] * 7 + [1] + [0]  # ...of one row (the others do not pay for it)
 
 
+def test_batch_probe_never_makes_a_row_read_its_prompt():
+    ctl = AdaptiveK(max_k=4, probe_every=1)
+    for positions in (1, 2, 3, 5):
+        ctl.observe_pass(positions, 4, 0.25 + 0.05 * 4 * positions)  # drafting never pays
+    ctl.observe_row("model", [0.5], drafted=1, accepted=0, draft_s=0.05)
+    caps = [ctl.plan_batch(4, unread_prompt_tokens=400, ready_rows=0) for _ in range(12)]
+    assert caps == [0] * 12  # probes due, but every row would first read its prompt: none
+    while ctl.plan_batch(4, ready_rows=1) == 0:
+        pass
+    assert [ctl.plan(10, ready) for ready in (False, True, True, False)] == [0, 1, 0, 0]  # the ready row probes
+
+
+def test_lookup_drafts_in_a_batch_keep_what_pays():
+    """Under load only free drafts are left: each row's lookup draft is verified as far as the batch's
+    expected tokens per second rise, every row paying for the widest."""
+    ctl = AdaptiveK(max_k=8)
+    ngram = lambda n: Draft(torch.arange(n)[None], source="ngram")  # noqa: E731
+    empty = Draft(torch.empty(1, 0, dtype=torch.long), source="ngram")
+    assert ctl.plan_free(4, [ngram(6), empty, empty, empty]) == 0  # nothing measured yet: plain
+    for tokens in (4, 8, 12, 16, 20, 24, 28):
+        ctl.observe_pass(tokens // 4, 4, 0.25 + 0.002 * tokens)  # 4 rows: wider passes cost a little more
+    for _ in range(30):  # copied text: the lookup's tokens are nearly always right
+        ctl.observe_row("ngram", None, drafted=6, accepted=6, draft_s=0.0)
+    assert ctl.plan_free(4, [ngram(6), empty, empty, empty]) == 6
+    assert ctl.plan_free(4, [empty] * 4) == 0
+    for _ in range(30):  # lookups that are always wrong
+        ctl.observe_row("ngram", None, drafted=6, accepted=0, draft_s=0.0)
+    assert ctl.plan_free(4, [ngram(6), ngram(3), empty, empty]) == 0
+    steep = AdaptiveK(max_k=8)  # verification far from free: one row's draft does not pay for widening all four
+    for tokens in (4, 8, 12, 16, 20, 24, 28):
+        steep.observe_pass(tokens // 4, 4, 0.25 + 0.1 * tokens)
+    for _ in range(30):
+        steep.observe_row("ngram", None, drafted=6, accepted=6, draft_s=0.0)
+    assert steep.plan_free(4, [ngram(6), empty, empty, empty]) == 0
+    assert steep.plan_free(4, [ngram(6)] * 4) == 6
+
+
 def test_adaptive_falls_back_to_plain_and_probes_again():
     ctl = AdaptiveK(max_k=6, probe_every=4)
     for _ in range(10):  # an expensive draft the target always rejects

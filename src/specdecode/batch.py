@@ -48,6 +48,7 @@ class StepReport:
     verify_s: float = 0.0
     speculative: bool = False  # some row drafted this step
     cap: int | None = None  # load-aware control's draft cap for the batch (None: not decided per batch)
+    lookup_only: bool = False  # model drafting did not pay: only free lookup (n-gram) drafts were considered
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -160,8 +161,11 @@ class BatchEngine:
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
         calibrate = controller is not None and not controller.costs.measured(1, B)
         if controller is not None and not calibrate:
-            unread = sum(seq.prompt.shape[1] for seq in self.rows if seq.drafter is not None and not seq.drafter_ready)
-            report.cap = controller.plan_batch(B, unread)
+            drafting = [seq for seq in self.rows if seq.drafter is not None]
+            unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
+            report.cap = controller.plan_batch(B, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
+            # Model drafting does not pay for this batch; drafts that cost no model pass still may.
+            report.lookup_only = B > 1 and report.cap == 0
 
         drafts: list[Draft] = []
         draft_s: list[float] = []
@@ -173,7 +177,7 @@ class BatchEngine:
                 draft = Draft.empty()
             else:
                 try:
-                    draft = seq.propose(controller or FixedK(seq.k))
+                    draft = seq.propose_free() if report.lookup_only else seq.propose(controller or FixedK(seq.k))
                 except Exception as error:  # one row's drafter failing must not take the others down
                     seq.fail(error)
                     failed.append(seq)
@@ -189,6 +193,12 @@ class BatchEngine:
             if not self.rows:
                 return report
             B = len(self.rows)
+        if report.lookup_only:
+            keep_len = controller.plan_free(B, drafts)
+            for seq, draft in zip(self.rows, drafts):
+                draft.truncate(keep_len)
+                if seq.drafter is not None and not draft.length and seq.draft_budget > 0:
+                    seq.stats.plain_steps += 1
 
         width = 1 + max(d.length for d in drafts)
         T = self.mask.shape[1]

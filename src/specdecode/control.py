@@ -56,7 +56,6 @@ class CostModel:
     alpha: float = 0.2
     draft_token_s: dict[str, Ema] = field(default_factory=dict)
     verify_s: dict[int, Ema] = field(default_factory=dict)
-    any_draft_token_s: Ema = field(default_factory=lambda: Ema(0.2))
     draft_prefill_token_s: Ema = field(default_factory=lambda: Ema(0.2))  # a drafter reading a prompt, per token
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
@@ -66,11 +65,6 @@ class CostModel:
     def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
         if tokens:
             self.draft_token_s.setdefault(source, Ema(self.alpha)).update(seconds / tokens)
-            self.any_draft_token_s.update(seconds / tokens)
-
-    def mean_draft_time(self) -> float | None:
-        """Seconds per drafted token over every drafter's drafts (cheap n-gram ones included)."""
-        return self.any_draft_token_s.value
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         self.verify_s.setdefault(rows * positions, Ema(self.alpha)).update(seconds)
@@ -111,7 +105,7 @@ class FixedK:
     def __init__(self, k: int):
         self.max_k = k
 
-    def plan(self, max_len: int) -> int:
+    def plan(self, max_len: int, ready: bool = True) -> int:
         return min(self.max_k, max_len)
 
     def keep_going(self, drafted: int, confidence: float) -> bool:
@@ -162,15 +156,15 @@ class AdaptiveK:
         t = self.costs.verify_time(positions, self.rows)
         return t / self.rows if t is not None else 0.0
 
-    def plan(self, max_len: int) -> int:
-        """0 means: do not draft this step (plain decoding)."""
+    def plan(self, max_len: int, ready: bool = True) -> int:
+        """0 means: do not draft this step (plain decoding). ready: the row's drafter has read its prompt."""
         if max_len <= 0:
             return 0
         if self.batch_cap is not None:  # the batch decided
             if self.batch_cap == 0:
                 return 0
-            if self._probe_rows is not None:  # a probe: one row drafts one token, the others wait
-                if self._probe_rows == 0:
+            if self._probe_rows is not None:  # a probe: one ready row drafts one token, the others wait
+                if self._probe_rows == 0 or not ready:
                     return 0
                 self._probe_rows -= 1
             self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
@@ -188,17 +182,20 @@ class AdaptiveK:
 
     BATCH_MIN_GAIN = 1.15  # a batch drafts only for a clear predicted gain: estimates are noisy, switching is not free
 
-    def plan_batch(self, rows: int, unread_prompt_tokens: int = 0) -> int:
+    def plan_batch(self, rows: int, unread_prompt_tokens: int = 0, ready_rows: int | None = None) -> int:
         """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows.
         unread_prompt_tokens: prompt tokens the drafters of rows that never drafted would have to read
-        first (a one-off cost a drafting step pays)."""
+        first (a one-off cost a drafting step pays). ready_rows: rows whose drafter has read its prompt
+        (None: all); a probe uses one of them, and is skipped when there is none, so it never pays a
+        prompt reading. Lookup drafts (`plan_free`) are planned apart: the cost here is the model's."""
         self.rows = rows
         if rows == 1:
             self.batch_cap = None  # one sequence: the per-step rule of `plan`
             return self.max_k
         self._probe_rows = None
         t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
-        t_draft, alpha = self.costs.mean_draft_time(), min(self.first_accept.value, 0.99)
+        t_draft = self.costs.draft_time() if self.costs.draft_token_s else None
+        alpha = min(self.first_accept.value, 0.99)
         best_k, best_rate = self.max_k, 0.0
         if t(1) is not None and t_draft is not None:
             best_k, best_rate = 0, self.BATCH_MIN_GAIN * rows / t(1)
@@ -211,12 +208,42 @@ class AdaptiveK:
             if best_k == 0:
                 self.batch_plain_steps += 1
                 if self.batch_plain_steps >= self.probe_every * rows:  # now and then, see if drafting pays again
-                    best_k, self.batch_plain_steps, self._probe_rows = 1, 0, 1  # cheaply: one row, one token
+                    self.batch_plain_steps = 0
+                    if ready_rows is None or ready_rows > 0:
+                        best_k, self._probe_rows = 1, 1  # cheaply: one row, one token
             else:
                 self.batch_plain_steps = 0
         self.batch_decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
         self.batch_cap = best_k
         return best_k
+
+    FREE_MIN_GAIN = 1.05  # lookup drafts switch nothing on (no prompt reading): a small margin for estimate noise
+
+    def plan_free(self, rows: int, drafts: list) -> int:
+        """When model drafting does not pay for the batch: how many tokens of each row's free (lookup)
+        draft to verify. The pass is as wide as its widest row, so every row pays for the widest draft;
+        the length maximises the batch's expected tokens per second from the measured acceptance by
+        position of each draft's source (0: a plain step)."""
+        longest = max((d.length for d in drafts), default=0)
+        t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
+        if not longest or t(1) is None:
+            return 0
+        best_n, best_rate = 0, self.FREE_MIN_GAIN * rows / t(1)
+        for n in range(1, longest + 1):
+            expected = rows + sum(self._expected_accepted(d.source, min(n, d.length)) for d in drafts if d.length)
+            rate = expected / t(n + 1)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n
+
+    def _expected_accepted(self, source: str, n: int) -> float:
+        """Expected accepted tokens of an n-token draft without confidences (n-gram), from acceptance by position."""
+        accept = self._position_accept(source)
+        expected, survive = 0.0, 1.0
+        for j in range(n):
+            survive *= accept[min(j, len(accept) - 1)].value
+            expected += survive
+        return expected
 
     def keep_going(self, drafted: int, confidence: float) -> bool:
         """After `drafted` tokens, the last with draft confidence `confidence`: draft one more?"""

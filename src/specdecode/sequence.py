@@ -130,15 +130,29 @@ class Sequence:
         self.result.finish_reason = "error"
         self.result.error = f"{type(error).__name__}: {error}"
 
+    @property
+    def draft_budget(self) -> int:
+        """No need to draft past the budget: the target adds one token of its own."""
+        return self.max_new_tokens - len(self.result.token_ids) - 1
+
+    def propose_free(self) -> Draft:
+        """A draft that costs no model pass (the drafter's lookup), up to k tokens; often empty."""
+        self.step_prefill_s = 0.0
+        if self.drafter is None or self.draft_budget <= 0:
+            return Draft.empty()
+        draft = self.drafter.propose_free(self.ids, self.k)
+        draft.truncate(self.draft_budget)
+        return draft
+
     def propose(self, controller) -> Draft:
-        """This step's draft (empty: a plain step). No need to draft past the budget: the target adds one token."""
+        """This step's draft (empty: a plain step)."""
         draft = Draft.empty()
         self.step_prefill_s = 0.0
         if self.drafter is None:
             return draft
-        budget = self.max_new_tokens - len(self.result.token_ids) - 1
+        budget = self.draft_budget
         controller.max_k = self.k
-        draft_len = controller.plan(budget)
+        draft_len = controller.plan(budget, self.drafter_ready)
         if draft_len > 0:
             if not self.drafter_ready:
                 self.step_prefill_s = self._prefill_drafter()

@@ -66,6 +66,11 @@ class Drafter(ABC):
         before each further token, so a controller can stop a draft that will likely be rejected.
         """
 
+    def propose_free(self, input_ids: torch.Tensor, k: int) -> Draft:
+        """Up to k tokens that cost no model pass (a lookup), or an empty draft. Greedy or sampled alike:
+        such drafts are deterministic (q one-hot). Under load a batch drafts only these."""
+        return Draft.empty(1, input_ids.device)
+
     def commit(self, input_ids: torch.Tensor) -> None:
         """input_ids [B, L'] is now the committed sequence (accepted draft prefix + target token)."""
 

@@ -35,10 +35,16 @@ class ComboDrafter(Drafter):
     def check_vocab(self, vocab_size, tokenizer=None) -> None:
         self.model.check_vocab(vocab_size, tokenizer)
 
-    def propose(self, input_ids, k, sampling, generator, keep_going=None) -> Draft:
+    def propose_free(self, input_ids, k) -> Draft:
         # A long suffix match predicts copying well; a short one is a coin toss the model does better.
-        draft = self.ngram.propose(input_ids, k * self.ngram_stretch, sampling, generator)
+        draft = self.ngram.propose(input_ids, k * self.ngram_stretch, None, None)
         if draft.length and self.ngram.last_match_len >= self.min_match:
+            return draft
+        return Draft.empty(1, input_ids.device)
+
+    def propose(self, input_ids, k, sampling, generator, keep_going=None) -> Draft:
+        draft = self.propose_free(input_ids, k)
+        if draft.length:
             return draft
         return self.model.propose(input_ids, k, sampling, generator, keep_going)
 

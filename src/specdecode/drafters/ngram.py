@@ -35,3 +35,6 @@ class NgramDrafter(Drafter):
                     return Draft(tokens[None].clone(), source=self.name)
         self.last_match_len = 0
         return Draft.empty(1, input_ids.device)
+
+    def propose_free(self, input_ids, k) -> Draft:
+        return self.propose(input_ids, k, None, None)

@@ -29,10 +29,11 @@ class Metrics:
         self.accepted_by_position = Counter(
             "specdecode_accepted_tokens_by_position", "Accepted tokens by position in the draft (1 = first)", ["position"], registry=r)
         self.steps = Counter(
-            "specdecode_steps", "Engine steps; speculation=off: no row drafted (plain decoding, e.g. chosen by load-aware control)",
+            "specdecode_steps", "Engine steps; speculation=off: no row drafted (plain decoding, e.g. chosen by load-aware control); "
+            "lookup: model drafting did not pay for the batch, rows drafted by n-gram lookup only; on: drafting as usual",
             ["speculation"], registry=r)
         self.batch_steps = Counter(
-            "specdecode_batch_steps", "Engine steps by rows in the pass and whether any row drafted", ["rows", "speculation"], registry=r)
+            "specdecode_batch_steps", "Engine steps by rows in the pass and speculation (off, lookup, on)", ["rows", "speculation"], registry=r)
         self.speculation_on = Gauge("specdecode_speculation_on", "1 if the last step drafted, else 0", registry=r)
         self.draft_seconds = Histogram("specdecode_draft_seconds", "Drafting time per step (all rows)", buckets=STEP_BUCKETS, registry=r)
         self.verify_seconds = Histogram("specdecode_verify_seconds", "Target verify pass time per step", buckets=STEP_BUCKETS, registry=r)
@@ -45,8 +46,9 @@ class Metrics:
         if report.rows:
             self.batch_size.set(report.rows)
             self.batch_rows.observe(report.rows)
-            self.steps.labels("on" if report.speculative else "off").inc()
-            self.batch_steps.labels(str(report.rows), "on" if report.speculative else "off").inc()
+            mode = "off" if not report.speculative else "lookup" if report.lookup_only else "on"
+            self.steps.labels(mode).inc()
+            self.batch_steps.labels(str(report.rows), mode).inc()
             self.speculation_on.set(1 if report.speculative else 0)
             self.draft_seconds.observe(report.draft_s)
             self.verify_seconds.observe(report.verify_s)
