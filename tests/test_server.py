@@ -261,6 +261,37 @@ def test_load_benchmark_counts_errors(tmp_path):
     assert rows[0]["errors"] == 4 and rows[0]["output_tokens"] == 0  # 2 requests x 2 rounds
 
 
+def test_load_runs_pool_into_one_report(tmp_path, monkeypatch, capsys):
+    """Servers measured one at a time (one run each, alternating) pool per label and level, keeping each round's rate."""
+    import json
+
+    import specdecode.bench.load as load
+    from specdecode.cli import main
+
+    async def fake_level(url, *args):  # endpoint "slow" makes 5 tokens a second, "fast" 10; rounds add wall time
+        seconds = {"slow": 1.0, "fast": 0.5}[url] * (1 + len(runs))
+        return load.LevelResult(url, args[2], seconds, [load.RequestResult(ok=True, latency_s=seconds, completion_tokens=5)])
+
+    monkeypatch.setattr(load, "run_level", fake_level)
+    runs = []
+    (tmp_path / "p.txt").write_text("w1\n")
+    for label in ("slow", "fast", "fast", "slow"):
+        out = tmp_path / f"run{len(runs)}"
+        assert main(["bench", "--endpoint", f"{label}={label}", "--concurrency", "1,4", "--requests", "1", "--rounds", "1",
+                     "--prompts", str(tmp_path / "p.txt"), "--out", str(out)]) == 0
+        runs.append(out)
+    assert main(["bench", "--pool", *map(str, runs), "--out", str(tmp_path / "pooled")]) == 0
+    rows = json.loads((tmp_path / "pooled" / "load.json").read_text())["rows"]
+    assert [(r["label"], r["concurrency"], r["requests"], r["rounds"]) for r in rows] == [
+        ("slow", 1, 2, 2), ("fast", 1, 2, 2), ("slow", 4, 2, 2), ("fast", 4, 2, 2)]
+    slow = rows[0]
+    assert slow["round_tokens_per_s"] == [5.0, 5.0 / 4]  # runs 1 and 4
+    assert slow["output_tokens_per_s"] == pytest.approx(10 / (1.0 + 4.0))  # pooled: tokens over summed wall time
+    assert "1.25–5.00" in (tmp_path / "pooled" / "load.md").read_text()
+    assert main(["bench", "--pool", str(tmp_path), "--out", str(tmp_path / "x")]) != 0  # not a run directory
+    assert "no load.json" in capsys.readouterr().err
+
+
 def test_load_rounds_reverse_the_endpoint_order(monkeypatch):
     import specdecode.bench.load as load
 

@@ -208,11 +208,9 @@ def cmd_check(args) -> int:
 
 def cmd_load_bench(args) -> int:
     """`bench --endpoint URL ...`: drive running OpenAI-compatible servers instead of loading models."""
-    import shlex
-
     from tqdm import tqdm
 
-    from .bench.load import load_markdown, load_plot, run_load
+    from .bench.load import run_load
 
     endpoints = {}
     for i, spec in enumerate(args.endpoint):
@@ -227,7 +225,28 @@ def cmd_load_bench(args) -> int:
     with tqdm(total=len(levels) * len(endpoints) * args.requests * args.rounds, desc="load", unit="req") as bar:
         rows = run_load(endpoints, prompts, levels, args.requests, args.max_new_tokens, args.temperature,
                         args.time_limit, args.model, progress=bar.update, rounds=args.rounds)
-    out = Path(args.out)
+    return _write_load_report(rows, endpoints, Path(args.out))
+
+
+def cmd_pool_load(args) -> int:
+    """`bench --pool RUN_DIR ...`: one report from several load runs (e.g. servers measured one at a time)."""
+    from .bench.load import pool_runs
+
+    runs = []
+    for run_dir in args.pool:
+        path = Path(run_dir) / "load.json"
+        if not path.exists():
+            raise ValueError(f"--pool: no load.json in {run_dir} (give directories written by `bench --endpoint`)")
+        runs.append(json.loads(path.read_text()))
+    endpoints = {label: url for run in runs for label, url in run["endpoints"].items()}
+    return _write_load_report(pool_runs(runs), endpoints, Path(args.out))
+
+
+def _write_load_report(rows: list[dict], endpoints: dict[str, str], out: Path) -> int:
+    import shlex
+
+    from .bench.load import load_markdown, load_plot
+
     out.mkdir(parents=True, exist_ok=True)
     command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (out / "load.json").write_text(json.dumps(dict(command=command, endpoints=endpoints, rows=rows), indent=1))
@@ -258,8 +277,12 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     import shlex
 
+    if args.endpoint and args.pool:
+        raise ValueError("give --endpoint (measure servers) or --pool (merge earlier runs), not both")
     if args.endpoint:
         return cmd_load_bench(args)
+    if args.pool:
+        return cmd_pool_load(args)
 
     from rich.console import Console
     from rich.table import Table
@@ -409,6 +432,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
                    help="with --endpoint: rounds per level, endpoint order reversed every other round (pooled)")
     b.add_argument("--time-limit", type=float, default=600.0, help="with --endpoint: no new request after this many seconds per level")
     b.add_argument("--model", default=None, help="with --endpoint: model name to request (default: the server's first)")
+    b.add_argument("--pool", nargs="+", default=[], metavar="RUN_DIR",
+                   help="pool earlier `bench --endpoint` runs (their load.json) into one report in --out, per label and level")
     b.set_defaults(func=cmd_bench, max_new_tokens=128, **(config or {}))
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched, load-aware speculative decoding")

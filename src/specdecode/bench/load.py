@@ -104,38 +104,68 @@ def run_load(endpoints: dict[str, str], prompts: list[list[dict]], concurrency: 
     per (endpoint, level) over all its rounds."""
     rows = []
     for c in concurrency:
-        pooled = {label: LevelResult(url, c, 0.0) for label, url in endpoints.items()}
+        per_round: dict[str, list[LevelResult]] = {label: [] for label in endpoints}
         for r in range(rounds):
             order = list(endpoints) if r % 2 == 0 else list(reversed(endpoints))
             for label in order:
-                level = asyncio.run(run_level(endpoints[label], model, prompts, c, requests, max_tokens, temperature,
-                                              time_limit, progress))
-                pooled[label].wall_s += level.wall_s
-                pooled[label].requests += level.requests
-        for label, level in pooled.items():
-            summary = level.summary()
-            summary["label"] = label
-            summary["rounds"] = rounds
-            summary["errors_sample"] = [r.error for r in level.requests if not r.ok][:3]
-            summary["raw"] = [asdict(r) for r in level.requests]
-            rows.append(summary)
+                per_round[label].append(asyncio.run(run_level(endpoints[label], model, prompts, c, requests, max_tokens,
+                                                              temperature, time_limit, progress)))
+        rows += [pooled_row(label, levels) for label, levels in per_round.items()]
+    return rows
+
+
+def pooled_row(label: str, levels: list[LevelResult]) -> dict:
+    """One endpoint at one level over several rounds: requests pooled, wall times summed; each round's
+    throughput kept too, so a report can show the spread."""
+    pooled = LevelResult(levels[0].endpoint, levels[0].concurrency, sum(level.wall_s for level in levels))
+    for level in levels:
+        pooled.requests += level.requests
+    summary = pooled.summary()
+    summary["label"] = label
+    summary["rounds"] = len(levels)
+    summary["round_tokens_per_s"] = [level.summary()["output_tokens_per_s"] for level in levels]
+    summary["errors_sample"] = [r.error for r in pooled.requests if not r.ok][:3]
+    summary["raw"] = [asdict(r) for r in pooled.requests]
+    return summary
+
+
+def pool_runs(runs: list[dict]) -> list[dict]:
+    """Pool several load runs (their load.json contents) per endpoint label and level: e.g. servers measured
+    one at a time, each run holding one of them, alternating order between rounds."""
+    levels: dict[tuple[str, int], list[LevelResult]] = {}
+    round_rates: dict[tuple[str, int], list[float]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            key = (row["label"], row["concurrency"])
+            levels.setdefault(key, []).append(
+                LevelResult(row["endpoint"], row["concurrency"], row["wall_s"], [RequestResult(**r) for r in row["raw"]]))
+            round_rates.setdefault(key, []).extend(row.get("round_tokens_per_s") or [row["output_tokens_per_s"]])
+    rows = []
+    for key in sorted(levels, key=lambda key: key[1]):  # by level; labels in first-seen order (sort is stable)
+        row = pooled_row(key[0], levels[key])
+        row["round_tokens_per_s"], row["rounds"] = round_rates[key], len(round_rates[key])
+        rows.append(row)
     return rows
 
 
 def load_markdown(rows: list[dict], command: str) -> str:
     lines = [
         "# Load benchmark", "", f"`{command}`", "",
-        "| endpoint | concurrency | requests | errors | output tok/s | latency p50 s | p90 s | p99 s | TTFT p50 s | TTFT p99 s | ITL p50 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| endpoint | concurrency | requests | errors | output tok/s | per round (min–max) | latency p50 s | p90 s | p99 s | "
+        "TTFT p50 s | TTFT p99 s | ITL p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(x, scale=1.0, digits=2):
         return "-" if x is None else f"{x * scale:.{digits}f}"
 
+    def spread(rates):
+        return "-" if not rates or len(rates) < 2 else f"{min(rates):.2f}–{max(rates):.2f}"
+
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'])} | "
-            f"{f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
+            f"{spread(r.get('round_tokens_per_s'))} | {f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
             f"{f(r['itl_p50'], 1000, 0)} |"
         )
     return "\n".join(lines) + "\n"
