@@ -120,7 +120,9 @@ def test_cost_model_interpolates_verify_time():
     costs.observe_verify(1, 0.20)
     costs.observe_verify(5, 0.28)
     assert costs.verify_time(3) == pytest.approx(0.24)
-    assert costs.verify_time(9) == pytest.approx(0.36)
+    assert costs.verify_time(9) == pytest.approx(0.28 + 0.5 * 0.28 / 5 * 4)  # past the data: never flat
+    costs.observe_verify(9, 0.28)  # measured: the measurement rules
+    assert costs.verify_time(9) == pytest.approx(0.28) and costs.verify_time(7) == pytest.approx(0.28)
 
 
 def test_cost_model_keys_a_batch_pass_by_the_tokens_it_scores():
@@ -160,6 +162,15 @@ def test_load_aware_control_probes_again_after_plain_steps():
         drafting_rows.append(sum(ctl.plan(10) > 0 for _ in range(4)))
     assert caps == [0] * 7 + [1] + [0]  # every (probe_every x rows)-th step a probe...
     assert drafting_rows == [0] * 7 + [1] + [0]  # ...of one row (the others do not pay for it)
+
+
+def test_load_aware_control_does_not_guess_for_a_batch():
+    """A server that starts under load knows the verify cost of its batch but nothing of the draft model:
+    no batch-wide drafting on a guess (it would make every row read its prompt and draft k tokens)."""
+    ctl = AdaptiveK(max_k=8)
+    ctl.observe_pass(1, 8, 0.30)
+    assert ctl.plan_batch(8, unread_prompt_tokens=4000, ready_rows=0) == 0
+    assert ctl.plan_batch(1) == 8 and ctl.plan(10) == 8  # one row explores, and so measures the draft
 
 
 def test_batch_probe_never_makes_a_row_read_its_prompt():
