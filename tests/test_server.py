@@ -198,7 +198,7 @@ def test_disconnect_mid_stream_frees_the_slot(server):
 
 def test_metrics_counters_move(server):
     names = ["specdecode_generation_tokens_total", "specdecode_draft_tokens_total", "specdecode_accepted_tokens_total",
-             "specdecode_prompt_tokens_total"]
+             "specdecode_prompt_tokens_total", "specdecode_admit_seconds_count"]
     before = {n: metric(server, n) for n in names}
     ok_before = metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="200"')
     bad_before = metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="400"')
@@ -210,11 +210,13 @@ def test_metrics_counters_move(server):
     assert after["specdecode_prompt_tokens_total"] - before["specdecode_prompt_tokens_total"] == out.usage.prompt_tokens
     assert after["specdecode_draft_tokens_total"] > before["specdecode_draft_tokens_total"]
     assert after["specdecode_accepted_tokens_total"] >= before["specdecode_accepted_tokens_total"]
+    assert after["specdecode_admit_seconds_count"] - before["specdecode_admit_seconds_count"] == 1  # one prefill, in one step
     assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="200"') == ok_before + 1
     assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="400"') == bad_before + 1
     text = httpx.get(server.url + "/metrics").text
     for name in ("specdecode_queue_length", "specdecode_draft_tokens_by_position_total", "specdecode_verify_seconds_bucket",
-                 "specdecode_draft_seconds_bucket", "specdecode_speculation_on"):
+                 "specdecode_draft_seconds_bucket", "specdecode_speculation_on", "specdecode_step_seconds_bucket",
+                 "specdecode_admit_seconds_bucket"):
         assert name in text
 
 

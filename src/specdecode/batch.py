@@ -46,6 +46,9 @@ class StepReport:
     accepted: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    admitted: int = 0  # requests prefilled this step (joined, or finished at their first token)
+    admit_s: float = 0.0  # time spent prefilling them
+    step_s: float = 0.0  # the whole step
     speculative: bool = False  # some row drafted this step
     cap: int | None = None  # load-aware control's draft cap for the batch (None: not decided per batch)
     lookup_only: bool = False  # model drafting did not pay: only free lookup (n-gram) drafts were considered
@@ -151,9 +154,17 @@ class BatchEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepReport:
+        start = time.perf_counter()
+        report = self._step()
+        report.step_s = time.perf_counter() - start
+        return report
+
+    def _step(self) -> StepReport:
         report = StepReport()
         self._leave([s for s in self.rows if s.cancelled], report, reason="cancelled")
+        t0 = time.perf_counter()
         self._admit(report)
+        report.admit_s = time.perf_counter() - t0
         if not self.rows:
             return report
         B = len(self.rows)
@@ -266,6 +277,7 @@ class BatchEngine:
                 seq.fail(error)
                 report.finished.append(seq)
                 continue
+            report.admitted += 1
             chunk = seq.emit()
             if chunk:
                 report.events.append((seq, chunk))

@@ -37,6 +37,9 @@ class Metrics:
         self.speculation_on = Gauge("specdecode_speculation_on", "1 if the last step drafted, else 0", registry=r)
         self.draft_seconds = Histogram("specdecode_draft_seconds", "Drafting time per step (all rows)", buckets=STEP_BUCKETS, registry=r)
         self.verify_seconds = Histogram("specdecode_verify_seconds", "Target verify pass time per step", buckets=STEP_BUCKETS, registry=r)
+        self.admit_seconds = Histogram("specdecode_admit_seconds", "Prefill of the requests that joined, per step that admitted any", buckets=STEP_BUCKETS, registry=r)
+        self.step_seconds = Histogram("specdecode_step_seconds", "Whole engine step, by rows in the pass (compare servers step by step)",
+                                      ["rows"], buckets=STEP_BUCKETS, registry=r)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "Submission to first token", buckets=REQUEST_BUCKETS, registry=r)
         self.latency = Histogram("specdecode_request_seconds", "Submission to last token", buckets=REQUEST_BUCKETS, registry=r)
 
@@ -52,6 +55,9 @@ class Metrics:
             self.speculation_on.set(1 if report.speculative else 0)
             self.draft_seconds.observe(report.draft_s)
             self.verify_seconds.observe(report.verify_s)
+            self.step_seconds.labels(str(report.rows)).observe(report.step_s)
+        if report.admitted:
+            self.admit_seconds.observe(report.admit_s)
         self.draft_tokens.inc(report.drafted)
         self.accepted_tokens.inc(report.accepted)
         for i, n in enumerate(report.drafted_per_position):
