@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import traceback
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +49,33 @@ class Handle:
             pass
 
 
+class SchedulerThread:
+    """One daemon thread that runs what it is given in order: the models' loading, then the scheduler loop.
+    The thread that steps the engine should be the one that loaded the weights: with a draft model loaded,
+    target passes stepped from another thread than the loading one ran 17-20 % slower on the 2-core CPU
+    (8-row steps 285-297 vs 237 ms; loading and stepping in one thread: 248-252 ms). Cause not pinned down
+    (not OpenMP spinning, not malloc arenas); scripts/batch-arrival.py and docs/results.md have the numbers."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="specdecode-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(error)
+
+
 class Service:
     def __init__(
         self,
@@ -59,6 +89,7 @@ class Service:
         max_batch: int = 8,
         max_queue: int = 64,
         default_max_tokens: int = 256,
+        scheduler: SchedulerThread | None = None,
     ):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
@@ -72,16 +103,19 @@ class Service:
         self._handles: dict[Sequence, Handle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._scheduler = scheduler or SchedulerThread()
+        self._loop: Future | None = None  # the scheduler loop, running on the scheduler thread
         self._stopping = False
 
     @classmethod
     def from_specs(cls, target: str, draft: str | None, *, dtype=None, threads: int | None = None,
                    k: int | None = None, adaptive: bool | None = None, **kwargs) -> "Service":
-        decoder = SpecDecoder.from_specs(target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads)
+        scheduler = SchedulerThread()  # loads the models: the thread that will step them (see SchedulerThread)
+        decoder = scheduler.submit(SpecDecoder.from_specs, target, draft, dtype=dtype, k=k, adaptive=adaptive,
+                                   threads=threads).result()
         engine = decoder.engine
         return cls(decoder.target, decoder.tokenizer, engine.drafter, model_name=kwargs.pop("model_name", None) or target,
-                   k=engine.k, adaptive=engine.controller is not None, **kwargs)
+                   k=engine.k, adaptive=engine.controller is not None, scheduler=scheduler, **kwargs)
 
     @property
     def context_window(self) -> int | None:
@@ -89,20 +123,19 @@ class Service:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._loop is not None and not self._loop.done() and not self._stopping
 
     def start(self) -> None:
-        if self._thread is None:
+        if self._loop is None:
             self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="specdecode-scheduler", daemon=True)
-            self._thread.start()
+            self._loop = self._scheduler.submit(self._run)
 
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        if self._loop is not None:
+            wait_for([self._loop], timeout=30)
+            self._loop = None
         for seq in self.engine.abort():
             self._fail(seq, "the server is shutting down")
 
