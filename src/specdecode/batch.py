@@ -70,7 +70,9 @@ def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
 
 class BatchEngine:
     """Continuous batching with speculation per row. Submit requests any time (thread-safe); a
-    single thread calls `step()` repeatedly. `adaptive` makes speculation load-aware (see control.AdaptiveK)."""
+    single thread calls `step()` repeatedly — best the thread that loaded the models (on the 2-core CPU
+    stepping from another one ran target passes 17-20 % slower with a draft model loaded; see
+    server.service.SchedulerThread). `adaptive` makes speculation load-aware (see control.AdaptiveK)."""
 
     def __init__(
         self,
