@@ -237,21 +237,23 @@ class AdaptiveK:
         t = lambda positions: self.costs.verify_time(positions, rows)  # noqa: E731
         if not longest or t(1) is None:
             return 0
+        expected = [self._expected_accepted(d.source, d.length) for d in drafts if d.length]
         best_n, best_rate = 0, self.FREE_MIN_GAIN * rows / t(1)
         for n in range(1, longest + 1):
-            expected = rows + sum(self._expected_accepted(d.source, min(n, d.length)) for d in drafts if d.length)
-            rate = expected / t(n + 1)
+            rate = (rows + sum(e[min(n, len(e)) - 1] for e in expected)) / t(n + 1)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n
 
-    def _expected_accepted(self, source: str, n: int) -> float:
-        """Expected accepted tokens of an n-token draft without confidences (n-gram), from acceptance by position."""
+    def _expected_accepted(self, source: str, length: int) -> list[float]:
+        """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (n-gram),
+        from the source's measured acceptance by position."""
         accept = self._position_accept(source)
-        expected, survive = 0.0, 1.0
-        for j in range(n):
+        expected, survive, total = [], 1.0, 0.0
+        for j in range(length):
             survive *= accept[min(j, len(accept) - 1)].value
-            expected += survive
+            total += survive
+            expected.append(total)
         return expected
 
     def keep_going(self, drafted: int, confidence: float) -> bool:
@@ -275,13 +277,9 @@ class AdaptiveK:
         tokens per second, from its measured acceptance by position; verify cost is what it risks."""
         if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1, self.rows) is None:
             return draft
-        accept = self._position_accept(draft.source)
         best_len, best_rate = 0, 1 / max(self._verify(1), 1e-9)
-        expected, survive = 1.0, 1.0
-        for n in range(1, draft.length + 1):
-            survive *= accept[min(n, len(accept)) - 1].value
-            expected += survive
-            rate = expected / max(self._verify(n + 1), 1e-9)
+        for n, accepted in enumerate(self._expected_accepted(draft.source, draft.length), 1):
+            rate = (1 + accepted) / max(self._verify(n + 1), 1e-9)
             if rate > best_rate:
                 best_len, best_rate = n, rate
         if best_len == 0 and self.plain_steps >= self.probe_every:  # probe now and then

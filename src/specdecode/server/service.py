@@ -54,7 +54,9 @@ class SchedulerThread:
     The thread that steps the engine should be the one that loaded the weights: with a draft model loaded,
     target passes stepped from another thread than the loading one ran 17-20 % slower on the 2-core CPU
     (8-row steps 285-297 vs 237 ms; loading and stepping in one thread: 248-252 ms). Cause not pinned down
-    (not OpenMP spinning, not malloc arenas); scripts/batch-arrival.py and docs/results.md have the numbers."""
+    (not OpenMP spinning, not malloc arenas); scripts/batch-arrival.py and docs/results.md have the numbers.
+    Not a ThreadPoolExecutor: its worker is joined at interpreter exit, so a server that never ran its
+    shutdown would hang there; this thread is a daemon."""
 
     def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
