@@ -7,7 +7,7 @@ from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEn
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
 from specdecode.drafters import ComboDrafter, Draft
-from specdecode.drafters.quant import Int8Linear, RestrictedHead, quantize_int8
+from specdecode.drafters.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from stats_check import fit
 from test_sampling import ALPHA, SAMPLES, VOCAB, exact_marginals, sample_second_and_third
 from tiny import random_prompt, reference_greedy, tiny_model
@@ -15,25 +15,26 @@ from tiny import random_prompt, reference_greedy, tiny_model
 PROMPTS = [(seed, 4 + seed % 9) for seed in range(8)]
 
 
-def fast_drafter(seed=1, vocab=96, head=48, sharpness=8.0):
-    """The near draft with int8 weights and a head restricted to `head` tokens (+ the prompt's)."""
+def fast_drafter(seed=1, vocab=96, head=48, sharpness=8.0, quant="int8"):
+    """The near draft with packed weights and a head restricted to `head` tokens (+ the prompt's)."""
     model = tiny_model(seed, vocab=vocab, sharpness=sharpness)
     with torch.no_grad():
         g = torch.Generator().manual_seed(7)
         model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=g) * 0.2 * model.lm_head.weight.std())
-    return ModelDrafter(model, int8=True, head_tokens=head)
+    return ModelDrafter(model, quant=quant, head_tokens=head)
 
 
 def engines(target, near_draft):
     return {
         "int8+head": SpeculativeEngine(target, fast_drafter(), k=5),
+        "int4+head": SpeculativeEngine(target, fast_drafter(quant="int4"), k=5),
         "adaptive model": SpeculativeEngine(target, ModelDrafter(near_draft), k=6, adaptive=True),
         "adaptive ngram": SpeculativeEngine(target, NgramDrafter(), k=6, adaptive=True),
         "auto": SpeculativeEngine(target, ComboDrafter(fast_drafter(), min_match=2), k=6, adaptive=True),
     }
 
 
-@pytest.mark.parametrize("which", ["int8+head", "adaptive model", "adaptive ngram", "auto"])
+@pytest.mark.parametrize("which", ["int8+head", "int4+head", "adaptive model", "adaptive ngram", "auto"])
 def test_greedy_output_equals_target_greedy(target, near_draft, which):
     engine = engines(target, near_draft)[which]
     for seed, n in PROMPTS:  # one engine across prompts: the controller keeps learning between them
@@ -79,11 +80,41 @@ def test_int8_linear_is_close_to_the_original_for_one_row_and_exact_for_many():
     assert torch.equal(q(many), linear(many))  # wide passes keep the original weights
 
 
-def test_quantize_int8_swaps_linears_but_not_the_head():
+@pytest.mark.skipif(not int4_available(), reason="this torch has no CPU int4 kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_linear_matches_its_dequantized_weights_for_one_row_and_the_original_for_many(dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 48).to(dtype)
+    q = Int4Linear(linear)
+    assert q.group_size == 64
+    # Rebuild the 4-bit weights by hand: min-max per group of 64 inputs, 16 levels.
+    w = linear.weight.detach().float().reshape(48, 2, 64)
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    step = (high - low) / 15
+    dequantized = (torch.round((w - low) / step) * step + low).reshape(48, 128)
+    one, many = torch.randn(1, 1, 128, dtype=dtype), torch.randn(1, 7, 128, dtype=dtype)
+    expected = one.float() @ dequantized.T + linear.bias.float()
+    assert torch.allclose(q(one).float(), expected, atol=0.03, rtol=0.03)
+    assert not torch.allclose(q(one).float(), linear(one).float(), atol=1e-4)  # it really is the 4-bit path
+    assert torch.equal(q(many), linear(many))  # wide passes keep the original weights
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_swaps_linears_but_not_the_head(bits):
     model = tiny_model(4).to(torch.bfloat16)
-    swapped = quantize_int8(model)
+    swapped = quantize(model, bits)
     assert swapped == 2 * 7  # q, k, v, o, gate, up, down per layer
     assert isinstance(model.lm_head, torch.nn.Linear)
+    packed = {type(m) for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))}
+    assert packed == {Int4Linear if bits == 4 and int4_available() else Int8Linear}
+
+
+def test_int4_falls_back_to_int8_for_layers_it_cannot_group():
+    model = torch.nn.Sequential(torch.nn.Linear(40, 16), torch.nn.Linear(16, 64))
+    assert quantize(model, 4) == 2
+    assert isinstance(model[0], Int8Linear)  # 40 inputs: no group of 32 or 64 divides it
+    with pytest.raises(ValueError, match="8 or 4 bits"):
+        quantize(model, 3)
 
 
 def test_restricted_head_matches_full_head_on_its_tokens():

@@ -16,9 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default="auto",
-        help=f"drafter: a model spec (with +int8, +head options), 'ngram' (prompt lookup), 'self[:L]' (the "
+        help=f"drafter: a model spec (with +int8 or +int4, +head options), 'ngram' (prompt lookup), 'self[:L]' (the "
         f"target's first L layers), 'auto[:MODEL]' "
-        f"(n-gram where the context matches, else the int8 + restricted-head {DEFAULT_DRAFT}; adaptive; the default) or 'none'",
+        f"(n-gram where the context matches, else the int4 + restricted-head {DEFAULT_DRAFT}; adaptive; the default) or 'none'",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -343,7 +343,7 @@ def cmd_tune(args) -> int:
         torch_threads(args.threads)
     console = Console(stderr=True)
     prompts = _load_prompts(args)
-    drafts = [d for spec in (args.draft or ["auto", "ngram", f"{DEFAULT_DRAFT}+int8+head", "self"]) for d in spec.split(",")]
+    drafts = [d for spec in (args.draft or ["auto", "ngram", f"{DEFAULT_DRAFT}+int4+head", "self"]) for d in spec.split(",")]
     candidates = [c for spec in args.candidates for c in spec.split(",")] if args.candidates else default_candidates(drafts)
     target, tokenizer = load_model(args.target, dtype=args.dtype)
     decoder = SpecDecoder(target, tokenizer)
@@ -450,7 +450,7 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure drafters and draft lengths on your prompts; write a config for generate/bench/serve")
     t.add_argument("--target", default=DEFAULT_TARGET)
     t.add_argument("--draft", action="append", default=None,
-                   help="drafter spec(s) to consider (repeatable or comma-separated; default: auto, ngram, the int8+head model, self)")
+                   help="drafter spec(s) to consider (repeatable or comma-separated; default: auto, ngram, the int4+head model, self)")
     t.add_argument("--candidates", action="append", default=None,
                    help="exact bench methods to try instead (spec:DRAFTER:K or :aK), comma-separated")
     t.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from .drafters.quant import int4_available
 from .engine import Generation, SpeculativeEngine
 from .sequence import GenerationResult
 from .models import DEFAULT_DRAFT, load_model
@@ -45,8 +46,9 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
     - None / 'none': no drafter (plain decoding);
     - 'ngram': prompt lookup in the prompt and the text so far;
     - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
-    - 'MODEL[+int8][+head]': a draft model, optionally with int8 weights and a restricted head;
-    - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int8 and restricted head.
+    - 'MODEL[+int8|+int4][+head]': a draft model, optionally with packed weights and a restricted head;
+    - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int4 (int8 where this torch has no
+      int4 kernel) and a restricted head; 'auto:MODEL+OPTIONS' takes exactly those options instead.
     """
     if spec in (None, "", "none"):
         return None
@@ -60,10 +62,16 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
             raise ValueError(f"'self:L' takes a number of layers, got {spec!r}")
         return SelfDrafter(target, int(layers) if layers else None, tokenizer)
     model_spec = model_spec_of(spec)
-    options = {"int8", "head"} if spec.startswith("auto") else set(spec.split("+")[1:])
-    unknown = options - {"int8", "head"}
+    auto = spec.startswith("auto")
+    options = set(spec.split("+")[1:])
+    if auto and not options:  # auto:MODEL+OPTIONS (an ablation) takes exactly the options given
+        options = {"int4" if int4_available() else "int8", "head"}
+    unknown = options - {"int8", "int4", "head"}
     if unknown:
-        raise ValueError(f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 and/or +head")
+        raise ValueError(f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 or +int4, and/or +head")
+    quant = options & {"int8", "int4"}
+    if len(quant) > 1:
+        raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
     model, draft_tokenizer = load_model(model_spec, dtype=dtype)
     if spec == "auto" and target is not None and model.config.vocab_size != target.config.vocab_size:
         # The built-in draft speaks another vocabulary: plain `auto` still has the n-gram drafter.
@@ -73,11 +81,11 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
     drafter = ModelDrafter(
         model,
         draft_tokenizer,
-        name=spec if not spec.startswith("auto") else model_spec,
-        int8="int8" in options,
+        name=spec.removeprefix("auto:") if spec.startswith("auto:") else model_spec if auto else spec,
+        quant=quant.pop() if quant else None,
         head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
     )
-    return ComboDrafter(drafter) if spec.startswith("auto") else drafter
+    return ComboDrafter(drafter) if auto else drafter
 
 
 @dataclass

@@ -143,8 +143,8 @@ def exports(target: str, draft: str, k: int, adaptive: bool) -> dict:
     if adaptive:
         notes.append(f"adaptive draft length (up to {k}) has no exact equivalent: vLLM and llama.cpp draft a fixed maximum "
                      "(llama.cpp stops early below --draft-p-min); transformers' 'heuristic' schedule adapts k by acceptance")
-    if model and ("+int8" in draft or "+head" in draft or draft.startswith("auto")):
-        notes.append("our int8 draft weights and restricted draft head are specdecode's own; other engines use the draft as is")
+    if model and ("+int8" in draft or "+int4" in draft or "+head" in draft or draft.startswith("auto")):
+        notes.append("our int8/int4 draft weights and restricted draft head are specdecode's own; other engines use the draft as is")
     vllm = None
     if model_hub:
         vllm = {"model": model_hub, "num_speculative_tokens": k}

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from ..sampling import SamplingParams, logits_to_probs, sample
 from .base import Draft, Drafter
-from .quant import RestrictedHead, quantize_int8
+from .quant import RestrictedHead, quantize
 
 
 def rollback(cache: DynamicCache, keep_len: int) -> None:
@@ -27,20 +27,24 @@ def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 class ModelDrafter(Drafter):
-    """Drafts with a small model. `int8` swaps its Linear layers for weight-only int8 ones (one-row
-    steps only); `head_tokens` restricts its output head to that many common tokens plus the prompt's.
-    Both change acceptance only, never the target's output."""
+    """Drafts with a small model. `quant` ("int8" or "int4") swaps its Linear layers for weight-only
+    packed ones (one- and two-row steps); `head_tokens` restricts its output head to that many common
+    tokens plus the prompt's. Both change acceptance only, never the target's output."""
 
-    def __init__(self, model, tokenizer=None, name: str | None = None, *, int8: bool = False, head_tokens: int | None = None):
+    QUANT_BITS = {"int8": 8, "int4": 4}
+
+    def __init__(self, model, tokenizer=None, name: str | None = None, *, quant: str | None = None, head_tokens: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "spec", None) or model.config.name_or_path or "model"
-        if int8:
-            quantize_int8(model)
+        if quant is not None:
+            if quant not in self.QUANT_BITS:
+                raise ValueError(f"unknown draft weight format {quant!r}: use one of {sorted(self.QUANT_BITS)}")
+            quantize(model, self.QUANT_BITS[quant])
         self.head = None
         if head_tokens:
             specials = list(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else []
-            self.head = RestrictedHead(model.get_output_embeddings(), head_tokens, specials, int8=int8)
+            self.head = RestrictedHead(model.get_output_embeddings(), head_tokens, specials, int8=quant is not None)
         self.reset()
 
     def spawn(self) -> "ModelDrafter":

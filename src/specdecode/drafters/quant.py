@@ -1,7 +1,7 @@
 """Make a draft model cheaper per token without touching what the target outputs.
 
-A draft only changes acceptance, never the output, so it may be approximate: weight-only int8 for
-one-row steps (2–2.5× faster matmuls on CPU), and an output head restricted to the tokens a draft is
+A draft only changes acceptance, never the output, so it may be approximate: weight-only int8 or int4
+for one-row steps (a decode step is memory-bound on CPU: fewer weight bytes, faster steps), and an output head restricted to the tokens a draft is
 likely to need (q = 0 elsewhere keeps speculative sampling lossless: the target's residual covers them).
 """
 
@@ -22,35 +22,84 @@ def int8_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-class Int8Linear(nn.Module):
-    """A Linear that multiplies one-row (decode) inputs with int8 weights, wider inputs with the originals.
+def int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
-    The int8 kernel is faster for one row but slower for several, so prefill and catch-up passes keep
-    the original weights (memory: +50 % of the layer).
-    """
 
-    MAX_INT8_ROWS = 2
+class PackedLinear(nn.Module):
+    """A Linear that multiplies one- or two-row (decode) inputs with packed low-bit weights, wider inputs
+    with the originals: the packed kernels are faster for one row but slower for several, so prefill and
+    catch-up passes keep the original weights (memory: +50 % of the layer for int8, +25 % for int4)."""
+
+    MAX_PACKED_ROWS = 2
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.linear = linear
-        qweight, scale = _quantize_rows(linear.weight)
-        self.register_buffer("qweight", qweight, persistent=False)
-        self.register_buffer("scale", scale.to(linear.weight.dtype), persistent=False)
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > self.MAX_INT8_ROWS or x.dtype != self.scale.dtype or x.device.type != "cpu":
+        if rows > self.MAX_PACKED_ROWS or x.dtype != self.linear.weight.dtype or x.device.type != "cpu":
             return self.linear(x)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1), self.qweight, self.scale)
+        y = self._packed_mm(x.reshape(rows, -1))
         if self.linear.bias is not None:
             y = y + self.linear.bias
         return y.reshape(*x.shape[:-1], -1)
 
 
-def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Swap every nn.Linear in model (but `skip`) for an Int8Linear in place; returns how many."""
-    if not int8_available():
+class Int8Linear(PackedLinear):
+    """Symmetric int8 per output row (`_weight_int8pack_mm`)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        qweight, scale = _quantize_rows(linear.weight)
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scale", scale.to(linear.weight.dtype), persistent=False)
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
+
+
+class Int4Linear(PackedLinear):
+    """Asymmetric 4-bit weights, min–max per group of `group_size` input columns
+    (`_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale + zero). Half the bytes of int8: a one-row draft
+    step is memory-bound on CPU, so this one is ~35 % faster than int8 (Qwen2.5-0.5B, 2 threads: 35 vs
+    55 ms), at a small cost in agreement with the target (0.759 vs 0.772 top-1 on the dev set)."""
+
+    GROUP_SIZES = (64, 32)  # the first that divides in_features; 64 measured as good as 32 and as fast
+
+    @staticmethod
+    def group_size_for(in_features: int) -> int | None:
+        return next((g for g in Int4Linear.GROUP_SIZES if in_features % g == 0), None)
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        self.group_size = self.group_size_for(linear.in_features)
+        if self.group_size is None:
+            raise ValueError(f"int4 needs in_features divisible by one of {self.GROUP_SIZES}, got {linear.in_features}")
+        w = linear.weight.detach().float()
+        groups = w.reshape(w.shape[0], -1, self.group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).reshape(w.shape).to(torch.int32)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False)
+        # [in_features / group, out_features, (scale, zero)], zero = the value of q = 8
+        scales_and_zeros = torch.stack([scale.T, (low + 8 * scale).T], -1).to(linear.weight.dtype).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+def quantize(model: nn.Module, bits: int = 8, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Swap every nn.Linear in model (but `skip`) for a packed int8 or int4 one in place; returns how many.
+    With bits=4, a layer int4 cannot pack (in_features not a multiple of 32) gets int8 instead."""
+    if bits not in (4, 8):
+        raise ValueError(f"draft weights can be packed to 8 or 4 bits, not {bits}")
+    if not int8_available() or (bits == 4 and not int4_available()):
         return 0
     targets = [
         (name, module)
@@ -59,7 +108,8 @@ def quantize_int8(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int
     ]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, Int8Linear(module))
+        four = bits == 4 and Int4Linear.group_size_for(module.in_features) is not None
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, Int4Linear(module) if four else Int8Linear(module))
     return len(targets)
 
 
