@@ -251,6 +251,39 @@ def test_adaptive_falls_back_to_plain_and_probes_again():
     assert ctl.skipped_steps >= 8
 
 
+def test_a_slow_stretch_does_not_keep_speculation_off():
+    """Probes re-measure what the on/off rule reads: one slow stretch must not poison it for good."""
+    ctl = AdaptiveK(max_k=6, probe_every=3)
+    for _ in range(5):  # the machine is busy: drafting and two-position passes cost double
+        ctl.observe("model", [0.9], drafted=1, accepted=1, draft_s=0.3, verify_s=0.6)
+        ctl.observe("model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.25)
+    plans = []
+    for _ in range(60):  # then it is quiet again and every drafted token is accepted
+        k = ctl.plan(100)
+        plans.append(k)
+        ctl.observe("model", [0.9] * k if k else None, drafted=k, accepted=k, draft_s=0.04 * k, verify_s=0.25 + 0.005 * k)
+    assert plans[:4] == [0, 0, 0, 1]  # plain steps, then a one-token probe
+    assert all(k > 1 for k in plans[-10:]), plans  # speculation came back
+
+
+def test_model_drafter_reads_missed_tokens_in_a_pass_of_its_own():
+    """After plain steps the drafter has tokens to catch up on: read apart (not charged as drafting), same drafts."""
+    prompt, missed = random_prompt(6, 8), random_prompt(7, 6)
+    committed = torch.cat([prompt, missed], dim=1)
+    lagging = ModelDrafter(tiny_model(3))
+    lagging.prefill(prompt)
+    passes = lagging.forward_passes
+    draft = lagging.propose(committed, 3, SamplingParams(), None)
+    assert draft.reading_s > 0 and lagging.forward_passes - passes == 1 + 3
+    fresh = ModelDrafter(tiny_model(3))
+    fresh.prefill(committed[:, :-1])
+    assert torch.equal(fresh.propose(committed, 3, SamplingParams(), None).tokens, draft.tokens)
+    # the usual step: the last drafted token and the target's are new, read with the first draft pass
+    after = torch.cat([committed, draft.tokens, torch.tensor([[5]])], dim=1)
+    passes = lagging.forward_passes
+    assert lagging.propose(after, 2, SamplingParams(), None).reading_s == 0.0 and lagging.forward_passes - passes == 2
+
+
 def test_adaptive_drafts_long_when_cheap_and_accepted():
     ctl = AdaptiveK(max_k=8)
     for _ in range(20):

@@ -247,7 +247,7 @@ class BatchEngine:
         for seq, draft, n_acc, seconds in zip(self.rows, drafts, accepted, draft_s):
             seq.stats.verify_time_s += verify_s
             if controller is not None:
-                controller.observe_row(draft.source, draft.confidence, draft.length, n_acc, seconds)
+                controller.observe_row(draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s)
             report.drafted += draft.length
             report.accepted += n_acc
             count_positions(report.drafted_per_position, draft.length)

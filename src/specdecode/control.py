@@ -176,12 +176,19 @@ class AdaptiveK:
             self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
             return min(self.batch_cap, self.max_k, max_len)
         t_plain, t_draft = self._verify(1), self.costs.draft_time()
-        if t_plain and t_draft and self.plain_steps < self.probe_every:
+        if t_plain and t_draft:
             speculative_rate = (1 + self.first_accept.value) / (t_draft + self._verify(2))
             if speculative_rate < self.min_gain / t_plain:
-                self.plain_steps += 1
-                self.skipped_steps += 1
-                return 0
+                if self.plain_steps < self.probe_every:
+                    self.plain_steps += 1
+                    self.skipped_steps += 1
+                    return 0
+                # Now and then a probe of one token: it re-measures exactly what this rule reads (the draft's
+                # time, a two-position pass, first-token acceptance). A probe at full length never refreshed
+                # the two-position pass, so one slow stretch could keep speculation off for good.
+                self.plain_steps = 0
+                self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
+                return 1
         self.plain_steps = 0
         self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
         return min(self.max_k, max_len)

@@ -108,6 +108,6 @@ class SpeculativeEngine:
             accepted = seq.judge(draft, logits)
             rollback(cache, seq.ids.shape[1] - 1)
             t2 = time.perf_counter()
-            controller.observe(draft.source, draft.confidence, draft.length, accepted, t1 - t0, t2 - t1)
+            controller.observe(draft.source, draft.confidence, draft.length, accepted, t1 - t0 - draft.reading_s, t2 - t1)
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += t2 - t1

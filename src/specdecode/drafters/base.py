@@ -18,6 +18,9 @@ class Draft:
     probs: torch.Tensor | None = None  # [B, n, V] processed q; None: deterministic draft (q one-hot)
     confidence: list[float] | None = None  # per token, the draft's own probability of it (row 0)
     source: str = ""  # which drafter proposed it (a combination drafter has several)
+    # Of the time proposing took, the seconds spent reading committed tokens the drafter had not seen (after
+    # plain or lookup steps): a one-off catch-up, not what drafting costs per token.
+    reading_s: float = 0.0
 
     @property
     def length(self) -> int:

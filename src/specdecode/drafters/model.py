@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from transformers import DynamicCache
@@ -85,10 +86,20 @@ class ModelDrafter(Drafter):
             self.head.set_context(prompt_ids)
         self._next_logits(prompt_ids.to(self.model.device))
 
+    # After a fully accepted draft two tokens are new (the last drafted one and the target's); more means the
+    # drafter sat out steps. Those it reads in a pass of its own, timed apart (Draft.reading_s).
+    USUAL_PENDING = 2
+
     def propose(self, input_ids, k, sampling: SamplingParams, generator, keep_going=None) -> Draft:
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
         pending = input_ids[:, self.cached_ids.shape[1] :].to(self.model.device)
+        reading_s = 0.0
+        if pending.shape[1] > self.USUAL_PENDING:
+            t0 = time.perf_counter()
+            self._next_logits(pending[:, :-1])
+            reading_s = time.perf_counter() - t0
+            pending = pending[:, -1:]
         tokens, probs, confidence = [], [], []
         for i in range(k):
             if i and keep_going is not None and not keep_going(i, confidence[-1]):
@@ -105,7 +116,7 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             confidence.append(float(conf))
             pending = token[:, None]
-        return Draft(torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None, confidence, self.name)
+        return Draft(torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None, confidence, self.name, reading_s)
 
     def commit(self, input_ids: torch.Tensor) -> None:
         keep = common_prefix_len(self.cached_ids[0], input_ids[0].cpu())
