@@ -5,7 +5,7 @@ import torch
 
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine
 from specdecode.bench.methods import parse_spec_method
-from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
+from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, Ema
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from stats_check import fit
@@ -62,8 +62,10 @@ def test_restricted_head_sampling_is_lossless(params):
 
 
 def test_auto_sampling_is_lossless():
+    """auto as shipped: n-gram or the int4 + restricted-head draft, adaptive."""
     target = tiny_model(11, vocab=VOCAB, sharpness=6.0)
-    engine = SpeculativeEngine(target, ComboDrafter(fast_drafter(seed=12, vocab=VOCAB, head=8, sharpness=6.0), min_match=1), k=3, adaptive=True)
+    draft = fast_drafter(seed=12, vocab=VOCAB, head=8, sharpness=6.0, quant="int4")
+    engine = SpeculativeEngine(target, ComboDrafter(draft, min_match=1), k=3, adaptive=True)
     prompt = random_prompt(5, 6, vocab=VOCAB)
     params = SamplingParams(temperature=1.0)
     second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
@@ -282,6 +284,25 @@ def test_model_drafter_reads_missed_tokens_in_a_pass_of_its_own():
     after = torch.cat([committed, draft.tokens, torch.tensor([[5]])], dim=1)
     passes = lagging.forward_passes
     assert lagging.propose(after, 2, SamplingParams(), None).reading_s == 0.0 and lagging.forward_passes - passes == 2
+
+
+def test_trim_measures_a_wider_pass_once_instead_of_trusting_the_guess():
+    """Past the widest pass measured the cost is a conservative guess; a long lookup draft that the guess cuts at
+    that width is verified whole once, and the measurement decides from then on."""
+    def controller(costs):
+        ctl = AdaptiveK(max_k=8)
+        for width, seconds in costs.items():
+            ctl.observe_pass(width, 1, seconds)
+        ctl.position_accept["ngram"] = [Ema(0.2, 0.85) for _ in range(8)]  # lookups right 85 % of the time
+        return ctl
+
+    long_draft = lambda: Draft(torch.arange(16)[None], source="ngram")  # noqa: E731
+    flat = {width: 0.25 for width in range(1, 10)}  # one-row passes flat up to 9 positions
+    ctl = controller(flat)
+    assert ctl.trim(long_draft()).length == 16  # the guess would cut at 8, the widest measured: explore once
+    ctl.observe_pass(17, 1, 0.26)
+    assert ctl.trim(long_draft()).length >= 12  # measured cheap: keep drafting long
+    assert controller({**flat, 17: 2.0}).trim(long_draft()).length == 8  # measured dear: what pays
 
 
 def test_adaptive_drafts_long_when_cheap_and_accepted():

@@ -73,6 +73,10 @@ class CostModel:
         e = self.verify_s.get(rows * positions)
         return e is not None and e.value is not None
 
+    def widest(self) -> int:
+        """The most tokens a measured pass scored (0: none yet)."""
+        return max((n for n, e in self.verify_s.items() if e.value is not None), default=0)
+
     def draft_time(self) -> float:
         """Seconds per drafted token of the costliest drafter seen (with several, the model one)."""
         return max((e.value for e in self.draft_token_s.values() if e.value is not None), default=0.0)
@@ -289,6 +293,11 @@ class AdaptiveK:
             rate = (1 + accepted) / max(self._verify(n + 1), 1e-9)
             if rate > best_rate:
                 best_len, best_rate = n, rate
+        widest = self.costs.widest()
+        if self.rows == 1 and best_len + 1 == widest and draft.length > best_len:
+            # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
+            # conservative guess that would keep every later draft this short. One pass this wide measures it.
+            best_len = draft.length
         if best_len == 0 and self.plain_steps >= self.probe_every:  # probe now and then
             best_len, self.plain_steps = 1, 0
         elif best_len == 0:

@@ -29,6 +29,9 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
 
 DEFAULT_K = 5  # fixed draft length
 DEFAULT_MAX_K = 8  # the most an adaptive controller may draft
+# Copied text runs long and lookup drafts cost nothing to make: auto lets them run to twice the model's cap
+# (the controller trims them by measured acceptance and verify cost).
+AUTO_NGRAM_STRETCH = 2
 DRAFT_HEAD_TOKENS = 32768  # the restricted draft head: ~5x cheaper than Qwen's 151,936-token head
 
 
@@ -85,7 +88,7 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
         quant=quant.pop() if quant else None,
         head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
     )
-    return ComboDrafter(drafter) if auto else drafter
+    return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if auto else drafter
 
 
 @dataclass

@@ -13,8 +13,7 @@ class ComboDrafter(Drafter):
     def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3, ngram_stretch: int = 1):
         self.model, self.ngram, self.min_match = model, ngram or NgramDrafter(), min_match
         # Copied text runs long and n-gram drafts cost nothing to make: ngram_stretch > 1 lets them run
-        # past k (the adaptive controller still trims them). Off by default: 2 was not measurably
-        # better on 4 summarization/RAG prompts (see the drafters issue note).
+        # past k (the adaptive controller still trims them; `auto` uses 2).
         self.ngram_stretch = ngram_stretch
         self.name = f"auto({model.name})"
 
