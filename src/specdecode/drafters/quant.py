@@ -1,8 +1,9 @@
 """Make a draft model cheaper per token without touching what the target outputs.
 
 A draft only changes acceptance, never the output, so it may be approximate: weight-only int8 or int4
-for one-row steps (a decode step is memory-bound on CPU: fewer weight bytes, faster steps), and an output head restricted to the tokens a draft is
-likely to need (q = 0 elsewhere keeps speculative sampling lossless: the target's residual covers them).
+for one-row steps (a decode step is memory-bound on CPU: fewer weight bytes, faster steps), and an
+output head restricted to the tokens a draft is likely to need (q = 0 elsewhere keeps speculative
+sampling lossless: the target's residual covers them).
 """
 
 from __future__ import annotations
