@@ -84,7 +84,7 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
     drafter = ModelDrafter(
         model,
         draft_tokenizer,
-        name=spec.removeprefix("auto:") if spec.startswith("auto:") else model_spec if auto else spec,
+        name=model_spec if spec == "auto" else spec.removeprefix("auto:"),
         quant=quant.pop() if quant else None,
         head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
     )

@@ -71,20 +71,24 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def _next_logits(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        self.forward_passes += 1
+        hidden = self._read(new_tokens)
         if self.head is None:
-            out = self.model(input_ids=new_tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].float()
-        else:  # the base model's hidden state, then our smaller head
-            hidden = self.model.base_model(input_ids=new_tokens, cache=self.cache, use_cache=True).last_hidden_state
-            logits = self.head.logits(hidden[:, -1])
+            return self.model.get_output_embeddings()(hidden).float()  # [B, V]
+        return self.head.logits(hidden)  # our smaller head
+
+    @torch.inference_mode()
+    def _read(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens through the base model into the cache -> the last position's hidden state [B, H]
+        (no output head: reading a prompt or catching up needs none)."""
+        self.forward_passes += 1
+        hidden = self.model.base_model(input_ids=new_tokens, cache=self.cache, use_cache=True).last_hidden_state
         self.cached_ids = torch.cat([self.cached_ids, new_tokens.cpu()], dim=1)
-        return logits  # [B, V]
+        return hidden[:, -1]
 
     def prefill(self, prompt_ids: torch.Tensor) -> None:
         if self.head is not None:  # the prompt's tokens join the restricted head
             self.head.set_context(prompt_ids)
-        self._next_logits(prompt_ids.to(self.model.device))
+        self._read(prompt_ids.to(self.model.device))
 
     # After a fully accepted draft two tokens are new (the last drafted one and the target's); more means the
     # drafter sat out steps. Those it reads in a pass of its own, timed apart (Draft.reading_s).
@@ -97,7 +101,7 @@ class ModelDrafter(Drafter):
         reading_s = 0.0
         if pending.shape[1] > self.USUAL_PENDING:
             t0 = time.perf_counter()
-            self._next_logits(pending[:, :-1])
+            self._read(pending[:, :-1])
             reading_s = time.perf_counter() - t0
             pending = pending[:, -1:]
         tokens, probs, confidence = [], [], []
