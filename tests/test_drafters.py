@@ -15,13 +15,13 @@ from tiny import random_prompt, reference_greedy, tiny_model
 PROMPTS = [(seed, 4 + seed % 9) for seed in range(8)]
 
 
-def fast_drafter(seed=1, vocab=96, head=48, sharpness=8.0, quant="int8"):
+def fast_drafter(seed=1, vocab=96, head=48, sharpness=8.0, quant="int8", compile=False):
     """The near draft with packed weights and a head restricted to `head` tokens (+ the prompt's)."""
     model = tiny_model(seed, vocab=vocab, sharpness=sharpness)
     with torch.no_grad():
         g = torch.Generator().manual_seed(7)
         model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=g) * 0.2 * model.lm_head.weight.std())
-    return ModelDrafter(model, quant=quant, head_tokens=head)
+    return ModelDrafter(model, quant=quant, head_tokens=head, compile=compile)
 
 
 def engines(target, near_draft):
@@ -284,6 +284,61 @@ def test_model_drafter_reads_missed_tokens_in_a_pass_of_its_own():
     after = torch.cat([committed, draft.tokens, torch.tensor([[5]])], dim=1)
     passes = lagging.forward_passes
     assert lagging.propose(after, 2, SamplingParams(), None).reading_s == 0.0 and lagging.forward_passes - passes == 2
+
+
+def _drafts_through_rollbacks(drafter: ModelDrafter) -> list[Draft]:
+    """Propose / commit through a partial accept, a full accept, a catch-up and a new sequence."""
+    sampling, drafts = SamplingParams(temperature=1.0), []
+    prompt = random_prompt(6, 9)
+    drafter.reset()
+    drafter.prefill(prompt)
+    drafts.append(drafter.propose(prompt, 4, sampling, torch.Generator().manual_seed(0)))
+    committed = torch.cat([prompt, drafts[-1].tokens[:, :2], torch.tensor([[7]])], dim=1)  # 2 of 4 accepted
+    drafter.commit(committed)
+    drafts.append(drafter.propose(committed, 3, sampling, torch.Generator().manual_seed(1)))
+    committed = torch.cat([committed, drafts[-1].tokens, torch.tensor([[9]]), random_prompt(8, 4)], dim=1)
+    drafter.commit(committed[:, :-4])  # all accepted, then plain steps the drafter sat out
+    drafts.append(drafter.propose(committed, 5, sampling, torch.Generator().manual_seed(2)))
+    drafter.reset()
+    other = random_prompt(9, 5)
+    drafter.prefill(other)
+    drafts.append(drafter.propose(other, 4, sampling, torch.Generator().manual_seed(3)))
+    return drafts
+
+
+def test_compiled_draft_step_drafts_what_the_eager_one_does(target):
+    """The compiled one-token step shares the cache with eager wide passes: same drafts, same q, through rollbacks."""
+    eager = _drafts_through_rollbacks(ModelDrafter(tiny_model(3)))
+    compiled_drafter = ModelDrafter(tiny_model(3), compile=True)
+    assert compiled_drafter._one_token_step is not None, "compilation failed on this machine"
+    compiled_drafter._stance = "fail_on_recompile"  # the graphs compiled at load serve every step below
+    compiled = _drafts_through_rollbacks(compiled_drafter)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-4)
+    # in the engine, with packed weights and the restricted head: the target's greedy output, the same acceptance
+    compiled_engine = SpeculativeEngine(target, fast_drafter(quant="int4", compile=True), k=4)
+    eager_engine = SpeculativeEngine(target, fast_drafter(quant="int4"), k=4)
+    for seed, n in PROMPTS[:3]:
+        prompt = random_prompt(seed, n)
+        result = compiled_engine.generate(prompt, max_new_tokens=30).result()
+        assert result.token_ids == reference_greedy(target, prompt, 30)
+        assert result.stats.accepted_tokens == eager_engine.generate(prompt, max_new_tokens=30).result().stats.accepted_tokens
+
+
+def test_a_draft_that_cannot_compile_drafts_uncompiled(monkeypatch, capsys):
+    def broken_compile(fn, **kwargs):
+        def fails(*args, **kw):
+            raise RuntimeError("no C++ compiler")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    drafter = ModelDrafter(tiny_model(3), compile=True)
+    assert drafter._one_token_step is None and "could not compile the draft step (RuntimeError: no C++ compiler)" in capsys.readouterr().err
+    assert drafter.forward_passes == 0 and drafter.cached_ids.shape[1] == 0
+    assert [d.tokens.tolist() for d in _drafts_through_rollbacks(drafter)] == [
+        d.tokens.tolist() for d in _drafts_through_rollbacks(ModelDrafter(tiny_model(3)))
+    ]
 
 
 def test_trim_measures_a_wider_pass_once_instead_of_trusting_the_guess():

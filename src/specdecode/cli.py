@@ -16,9 +16,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default="auto",
-        help=f"drafter: a model spec (with +int8 or +int4, +head options), 'ngram' (prompt lookup), 'self[:L]' (the "
+        help=f"drafter: a model spec (with +int8 or +int4, +head, +compile options), 'ngram' (prompt lookup), 'self[:L]' (the "
         f"target's first L layers), 'auto[:MODEL]' "
         f"(n-gram where the context matches, else the int4 + restricted-head {DEFAULT_DRAFT}; adaptive; the default) or 'none'",
+    )
+    p.add_argument(
+        "--compile-draft", action=argparse.BooleanOptionalAction, default=None,
+        help="auto compiles its draft model's one-token step with torch.compile: drafting ~15%% faster, about a minute "
+        "more at start (default: on for serve and bench, off for one-off commands)",
     )
     p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -76,7 +81,8 @@ def cmd_generate(args) -> int:
 
     err = Console(stderr=True)
     decoder = SpecDecoder.from_specs(
-        args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads
+        args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
+        compile_draft=bool(args.compile_draft),
     )
     options = dict(
         chat=args.chat,
@@ -166,7 +172,8 @@ def cmd_check(args) -> int:
 
     console = Console(stderr=True)
     prompts = _load_prompts(args)
-    decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads)
+    decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
+                                     compile_draft=bool(args.compile_draft))
 
     def show(case):
         detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"
@@ -266,7 +273,7 @@ def cmd_serve(args) -> int:
         args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
         adaptive=True if args.adaptive is None else args.adaptive,
         model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, compile_draft=args.compile_draft is not False,
     )
     print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
           f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
@@ -302,7 +309,7 @@ def cmd_bench(args) -> int:
     decoder = SpecDecoder(target, tokenizer)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = build_methods(names, target, tokenizer, decoder.eos, default_draft=args.draft, default_k=args.k, dtype=args.dtype,
-                            default_adaptive=args.adaptive)
+                            default_adaptive=args.adaptive, compile_draft=args.compile_draft is not False)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeat=args.repeat, sampling=sampling, chat=not args.no_chat)
     with tqdm(total=len(prompts) * len(methods) * args.repeat, desc="bench", unit="run") as bar:

@@ -44,14 +44,16 @@ def model_spec_of(drafter_spec: str) -> str:
     return drafter_spec.split("+")[0]
 
 
-def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> Drafter | None:
+def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, compile_draft: bool = False) -> Drafter | None:
     """A drafter from a spec:
     - None / 'none': no drafter (plain decoding);
     - 'ngram': prompt lookup in the prompt and the text so far;
     - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
-    - 'MODEL[+int8|+int4][+head]': a draft model, optionally with packed weights and a restricted head;
+    - 'MODEL[+int8|+int4][+head][+compile]': a draft model, optionally with packed weights, a restricted head
+      and a compiled one-token step;
     - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int4 (int8 where this torch has no
-      int4 kernel) and a restricted head; 'auto:MODEL+OPTIONS' takes exactly those options instead.
+      int4 kernel), a restricted head, and with compile_draft a compiled step (long-running uses: it costs
+      about a minute at start); 'auto:MODEL+OPTIONS' takes exactly those options instead.
     """
     if spec in (None, "", "none"):
         return None
@@ -68,10 +70,12 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
     auto = spec.startswith("auto")
     options = set(spec.split("+")[1:])
     if auto and not options:  # auto:MODEL+OPTIONS (an ablation) takes exactly the options given
-        options = {"int4" if int4_available() else "int8", "head"}
-    unknown = options - {"int8", "int4", "head"}
+        options = {"int4" if int4_available() else "int8", "head"} | ({"compile"} if compile_draft else set())
+    unknown = options - {"int8", "int4", "head", "compile"}
     if unknown:
-        raise ValueError(f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 or +int4, and/or +head")
+        raise ValueError(
+            f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 or +int4, +head, +compile (any of them)"
+        )
     quant = options & {"int8", "int4"}
     if len(quant) > 1:
         raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
@@ -87,6 +91,7 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None) -> D
         name=model_spec if spec == "auto" else spec.removeprefix("auto:"),
         quant=quant.pop() if quant else None,
         head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
+        compile="compile" in options,
     )
     return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if auto else drafter
 
@@ -160,15 +165,17 @@ class SpecDecoder:
     @classmethod
     def from_specs(
         cls, target: str, draft: str | None = None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
-        threads: int | None = None,
+        threads: int | None = None, compile_draft: bool = False,
     ):
-        """adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive."""
+        """adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive;
+        compile_draft: `auto` compiles its draft model's step (see `make_drafter`)."""
         if threads:
             torch.set_num_threads(threads)
         model, tokenizer = load_model(target, dtype=dtype)
         adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
         k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
-        return cls(model, tokenizer, make_drafter(draft, dtype=dtype, tokenizer=tokenizer, target=model), k=k, adaptive=adaptive)
+        drafter = make_drafter(draft, dtype=dtype, tokenizer=tokenizer, target=model, compile_draft=compile_draft)
+        return cls(model, tokenizer, drafter, k=k, adaptive=adaptive)
 
     @property
     def drafter(self) -> Drafter | None:

@@ -123,13 +123,14 @@ def parse_spec_method(name: str, default_draft: str, default_k: int | None, defa
 
 
 def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int | None, dtype,
-                  default_adaptive: bool | None = None) -> list[Method]:
-    """Parse method names; draft models are loaded once and shared between methods."""
+                  default_adaptive: bool | None = None, compile_draft: bool = False) -> list[Method]:
+    """Parse method names; draft models are loaded once and shared between methods. compile_draft: `auto`
+    compiles its draft step (paid at load, not in any timing)."""
     drafters: dict[str, Drafter | None] = {}
 
     def drafter_for(spec: str) -> Drafter | None:
         if spec not in drafters:
-            drafters[spec] = make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=target)
+            drafters[spec] = make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=target, compile_draft=compile_draft)
         return drafters[spec]
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)

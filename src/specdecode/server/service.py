@@ -111,10 +111,10 @@ class Service:
 
     @classmethod
     def from_specs(cls, target: str, draft: str | None, *, dtype=None, threads: int | None = None,
-                   k: int | None = None, adaptive: bool | None = None, **kwargs) -> "Service":
+                   k: int | None = None, adaptive: bool | None = None, compile_draft: bool = False, **kwargs) -> "Service":
         scheduler = SchedulerThread()  # loads the models: the thread that will step them (see SchedulerThread)
         decoder = scheduler.submit(SpecDecoder.from_specs, target, draft, dtype=dtype, k=k, adaptive=adaptive,
-                                   threads=threads).result()
+                                   threads=threads, compile_draft=compile_draft).result()
         engine = decoder.engine
         return cls(decoder.target, decoder.tokenizer, engine.drafter, model_name=kwargs.pop("model_name", None) or target,
                    k=engine.k, adaptive=engine.controller is not None, scheduler=scheduler, **kwargs)
