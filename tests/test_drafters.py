@@ -6,7 +6,7 @@ import torch
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, Ema
-from specdecode.drafters import ComboDrafter, Draft
+from specdecode.drafters import ComboDrafter, Draft, Drafter
 from specdecode.drafters.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from stats_check import fit
 from test_sampling import ALPHA, SAMPLES, VOCAB, exact_marginals, sample_second_and_third
@@ -436,3 +436,50 @@ def test_long_ngram_drafts_respect_the_budget(target, max_new_tokens):
     result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=max_new_tokens).result()
     assert result.token_ids == reference_greedy(target, prompt, max_new_tokens)
     assert result.stats.drafted_tokens <= result.stats.steps * (max_new_tokens - 1)
+
+
+class _ScriptedModelDrafter(Drafter):
+    """Stands in for the draft model: drafts `script(ids)`, advancing a fake clock by `token_s` a token."""
+
+    def __init__(self, script, clock, token_s):
+        self.script, self.clock, self.token_s, self.name = script, clock, token_s, "m"
+
+    def propose(self, input_ids, k, sampling, generator, keep_going=None):
+        tokens = self.script(input_ids)[:k]
+        self.clock[0] += self.token_s * len(tokens)
+        self.forward_passes += len(tokens)
+        return Draft(torch.tensor([tokens]), source="m")
+
+
+def _decode_with_combo(monkeypatch, truth: list[int], prompt_len: int, model_is_right: bool, steps: int = 60):
+    """Greedy-accept ComboDrafter drafts against a known continuation `truth` on a fake clock (verify 0.2 s,
+    model 0.05 s a token); every lookup counts as a short one (min_match past any match)."""
+    clock = [0.0]
+    monkeypatch.setattr("specdecode.drafters.combo.time.perf_counter", lambda: clock[0])
+    at = lambda ids: ids.shape[1]  # noqa: E731
+    right = lambda ids: truth[at(ids) : at(ids) + 4]  # noqa: E731
+    wrong = lambda ids: [(t + 1) % 50 + 2 for t in right(ids)]  # noqa: E731
+    combo = ComboDrafter(_ScriptedModelDrafter(right if model_is_right else wrong, clock, 0.05), min_match=99)
+    ids = torch.tensor([truth[:prompt_len]])
+    for _ in range(steps):
+        if at(ids) + 5 >= len(truth):
+            break
+        draft = combo.propose(ids, 4, SamplingParams(), None)
+        expected = truth[at(ids) : at(ids) + draft.length + 1]
+        accepted = next((i for i, (d, t) in enumerate(zip(draft.tokens[0].tolist(), expected)) if d != t), draft.length)
+        ids = torch.cat([ids, torch.tensor([expected[: accepted + 1]])], dim=1)
+        clock[0] += 0.2  # the verify pass
+        combo.commit(ids)
+    return combo.fallback_steps
+
+
+def test_auto_drafts_short_lookups_where_the_text_copies_its_context(monkeypatch):
+    passage = torch.randperm(48, generator=torch.Generator().manual_seed(0)).add(2).tolist()
+    ways = _decode_with_combo(monkeypatch, passage * 6, len(passage), model_is_right=False)
+    assert ways["lookup"] > 3 * ways["model"], ways
+
+
+def test_auto_keeps_the_model_where_lookups_miss(monkeypatch):
+    fresh = torch.randint(2, 96, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    ways = _decode_with_combo(monkeypatch, fresh, 20, model_is_right=True)
+    assert ways["model"] > 6 * ways["lookup"] and ways["lookup"] >= 1, ways  # the lookups were tried, rarely

@@ -178,5 +178,5 @@ class Sequence:
         if self.drafter is not None:
             self.drafter.commit(self.ids)
         self.stats.target_passes += 1
-        self.stats.record_step(draft.length, accepted)
+        self.stats.record_step(draft.length, accepted, draft.source)
         return accepted

@@ -25,14 +25,19 @@ class GenerationStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     accepted_len_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts
+    # Which drafter proposed (a combination has several): source -> [steps, drafted tokens, accepted tokens]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
     time_to_first_token_s: float = 0.0
     draft_prefill_s: float = 0.0  # the draft model reading the prompt (after the first token is out)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, source: str = "") -> None:
         self.steps += 1
+        if drafted:
+            tally = self.by_source.setdefault(source or "draft", [0, 0, 0])
+            tally[0], tally[1], tally[2] = tally[0] + 1, tally[1] + drafted, tally[2] + accepted
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         count_positions(self.drafted_per_position, drafted)
