@@ -69,3 +69,14 @@ def test_cli_reports_bad_input_without_traceback(capsys, monkeypatch):
 def test_request_beyond_the_context_window(engine):
     with pytest.raises(ValueError, match="context window \\(512 tokens\\)"):
         engine.generate(random_prompt(0, 20), max_new_tokens=500)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("qwen2.5-coder-0.5b+int3", r"unknown draft option\(s\) \['int3'\].*\+int8 or \+int4, \+head, \+compile"),
+    ("auto:qwen2.5-coder-0.5b+int8+int4", "both \\+int8 and \\+int4"),
+])
+def test_bad_draft_options_are_named_before_any_model_loads(spec, message):
+    from specdecode.pipeline import make_drafter
+
+    with pytest.raises(ValueError, match=message):
+        make_drafter(spec)
