@@ -43,7 +43,7 @@ bench: setup
 ## The server load benchmark on the Qwen pair (bf16): speculation off / always / load-aware at concurrency 1, 4, 8.
 bench-serve: setup
 	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
-	scripts/serve-bench.sh docs/bench/serve-qwen-bf16
+	scripts/serve-bench.sh docs/bench/serve-qwen-bf16-int4
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
