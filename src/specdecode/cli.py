@@ -34,6 +34,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _compile_draft(args, long_running: bool) -> bool:
+    """--compile-draft as given, else on for long-running commands (serve, bench): compiling costs ~1 min at load."""
+    return long_running if args.compile_draft is None else args.compile_draft
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -82,7 +87,7 @@ def cmd_generate(args) -> int:
     err = Console(stderr=True)
     decoder = SpecDecoder.from_specs(
         args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
-        compile_draft=bool(args.compile_draft),
+        compile_draft=_compile_draft(args, long_running=False),
     )
     options = dict(
         chat=args.chat,
@@ -173,7 +178,7 @@ def cmd_check(args) -> int:
     console = Console(stderr=True)
     prompts = _load_prompts(args)
     decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
-                                     compile_draft=bool(args.compile_draft))
+                                     compile_draft=_compile_draft(args, long_running=False))
 
     def show(case):
         detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"
@@ -273,7 +278,7 @@ def cmd_serve(args) -> int:
         args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
         adaptive=True if args.adaptive is None else args.adaptive,
         model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-        default_max_tokens=args.default_max_tokens, compile_draft=args.compile_draft is not False,
+        default_max_tokens=args.default_max_tokens, compile_draft=_compile_draft(args, long_running=True),
     )
     print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
           f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
@@ -309,7 +314,7 @@ def cmd_bench(args) -> int:
     decoder = SpecDecoder(target, tokenizer)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = build_methods(names, target, tokenizer, decoder.eos, default_draft=args.draft, default_k=args.k, dtype=args.dtype,
-                            default_adaptive=args.adaptive, compile_draft=args.compile_draft is not False)
+                            default_adaptive=args.adaptive, compile_draft=_compile_draft(args, long_running=True))
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeat=args.repeat, sampling=sampling, chat=not args.no_chat)
     with tqdm(total=len(prompts) * len(methods) * args.repeat, desc="bench", unit="run") as bar:
