@@ -123,7 +123,7 @@ class FixedK:
     def trim(self, draft):
         return draft
 
-    def observe(self, source, confidences, drafted, accepted, draft_s, verify_s) -> None:
+    def observe(self, source, confidences, drafted, accepted, draft_s, verify_s, positions=None) -> None:
         pass
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
@@ -156,6 +156,8 @@ class AdaptiveK:
         self.position_accept: dict[str, list[Ema]] = {}
         self._expected = self._elapsed = 0.0
         self.rows = 1  # rows in the current batch (set by plan_batch)
+        # Alternatives a model draft carries per drafted token (tree leaves, tree.py): each widens the pass
+        self.leaves = 0
         self.batch_cap: int | None = None  # the batch's draft cap this step (None: single-sequence rule)
         self.batch_plain_steps = 0
         self._probe_rows: int | None = None  # during a batch probe: how many more rows may draft
@@ -165,6 +167,10 @@ class AdaptiveK:
         """This row's share of a verify pass where every row scores `positions` positions."""
         t = self.costs.verify_time(positions, self.rows)
         return t / self.rows if t is not None else 0.0
+
+    def _verify_model_draft(self, positions: int) -> float:
+        """A single sequence's pass over [last] + positions - 1 model-drafted tokens and their leaves."""
+        return self._verify(1 + (positions - 1) * (1 + self.leaves))
 
     def plan(self, max_len: int, ready: bool = True) -> int:
         """0 means: do not draft this step (plain decoding). ready: the row's drafter has read its prompt."""
@@ -181,7 +187,7 @@ class AdaptiveK:
             return min(self.batch_cap, self.max_k, max_len)
         t_plain, t_draft = self._verify(1), self.costs.draft_time()
         if t_plain and t_draft:
-            speculative_rate = (1 + self.first_accept.value) / (t_draft + self._verify(2))
+            speculative_rate = (1 + self.first_accept.value) / (t_draft + self._verify_model_draft(2))
             if speculative_rate < self.min_gain / t_plain:
                 if self.plain_steps < self.probe_every:
                     self.plain_steps += 1
@@ -275,9 +281,10 @@ class AdaptiveK:
         accept = self.calibrator.predict(confidence)
         self._survive *= accept
         self._expected += self._survive
-        self._elapsed += t_draft + self._verify(drafted + 1) - self._verify(drafted)
+        verify = self._verify_model_draft
+        self._elapsed += t_draft + verify(drafted + 1) - verify(drafted)
         gain = self._survive * accept  # the next token is predicted to fare like this one
-        cost = t_draft + self._verify(drafted + 2) - self._verify(drafted + 1)
+        cost = t_draft + verify(drafted + 2) - verify(drafted + 1)
         return gain / max(cost, 1e-9) > self._expected / max(self._elapsed, 1e-9)
 
     def _position_accept(self, source: str) -> list[Ema]:
@@ -305,9 +312,12 @@ class AdaptiveK:
         draft.truncate(best_len)
         return draft
 
-    def observe(self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """One single-sequence step."""
-        self.observe_pass(drafted + 1, 1, verify_s)
+    def observe(
+        self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float,
+        positions: int | None = None,
+    ) -> None:
+        """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves)."""
+        self.observe_pass(positions or drafted + 1, 1, verify_s)
         self.observe_row(source, confidences, drafted, accepted, draft_s)
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:

@@ -19,6 +19,7 @@ from .drafters.model import rollback
 from .sampling import SamplingParams
 from .sequence import GenerationResult, Sequence, context_window, validate_request
 from .stopping import StopCondition
+from .tree import TreeLayout, keep_leaf
 
 __all__ = ["Generation", "GenerationResult", "SpeculativeEngine", "validate_request"]
 
@@ -91,6 +92,8 @@ class SpeculativeEngine:
 
     def _steps(self, seq: Sequence) -> Iterator[list[int]]:
         controller = self.controller or FixedK(seq.k)
+        if self.controller is not None:
+            self.controller.leaves = getattr(seq.drafter, "alternatives", 0)
         stats = seq.stats
         cache = DynamicCache(config=self.target.config)
         seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1])
@@ -103,11 +106,16 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             draft = seq.propose(controller)
             t1 = time.perf_counter()
-            # Verify [last] + draft in one target pass, then roll the cache back to the committed tokens.
-            logits = target_logits(self.target, torch.cat([seq.ids[:, -1:], draft.tokens], dim=1), cache)
-            accepted = seq.judge(draft, logits)
+            # Verify [last] + draft (+ its alternatives, tree.py) in one target pass, then roll the cache back
+            # to the committed tokens.
+            past = seq.ids.shape[1] - 1
+            tree = TreeLayout(seq.ids[:, -1:], draft.tokens, draft.alternatives)
+            logits = target_logits(self.target, tree.tokens, cache, **tree.model_inputs(past, self.target.dtype))
+            accepted = seq.judge(draft, *tree.split_logits(logits))
+            if seq.leaf is not None:
+                keep_leaf(cache, past, tree, *seq.leaf)
             rollback(cache, seq.ids.shape[1] - 1)
             t2 = time.perf_counter()
-            controller.observe(draft.source, draft.confidence, draft.length, accepted, t1 - t0 - draft.reading_s, t2 - t1)
+            controller.observe(draft.source, draft.confidence, draft.length, accepted, t1 - t0 - draft.reading_s, t2 - t1, tree.width)
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += t2 - t1

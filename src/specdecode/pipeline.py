@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ DEFAULT_MAX_K = 8  # the most an adaptive controller may draft
 # (the controller trims them by measured acceptance and verify cost).
 AUTO_NGRAM_STRETCH = 2
 DRAFT_HEAD_TOKENS = 32768  # the restricted draft head: ~5x cheaper than Qwen's 151,936-token head
+# Runner-up tokens `auto` offers per drafted position (tree leaves, tree.py): with the Qwen pair the target's
+# correction is the draft's 2nd choice at ~42 % of rejections and its 3rd at ~8 % more.
+AUTO_ALTERNATIVES = 2
 
 
 def model_spec_of(drafter_spec: str) -> str:
@@ -49,11 +53,11 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     - None / 'none': no drafter (plain decoding);
     - 'ngram': prompt lookup in the prompt and the text so far;
     - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
-    - 'MODEL[+int8|+int4][+head][+compile]': a draft model, optionally with packed weights, a restricted head
-      and a compiled one-token step;
+    - 'MODEL[+int8|+int4][+head][+compile][+altN]': a draft model, optionally with packed weights, a restricted
+      head, a compiled one-token step and N runner-up tokens per position verified as tree leaves;
     - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int4 (int8 where this torch has no
       int4 kernel), a restricted head, and with compile_draft a compiled step (long-running uses: it costs
-      about a minute at start); 'auto:MODEL+OPTIONS' takes exactly those options instead.
+      about a minute at start), and 2 runner-ups per position; 'auto:MODEL+OPTIONS' takes exactly those options.
     """
     if spec in (None, "", "none"):
         return None
@@ -70,12 +74,17 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     auto = spec.startswith("auto")
     options = set(spec.split("+")[1:])
     if auto and not options:  # auto:MODEL+OPTIONS (an ablation) takes exactly the options given
-        options = {"int4" if int4_available() else "int8", "head"} | ({"compile"} if compile_draft else set())
-    unknown = options - {"int8", "int4", "head", "compile"}
+        options = {"int4" if int4_available() else "int8", "head", f"alt{AUTO_ALTERNATIVES}"}
+        options |= {"compile"} if compile_draft else set()
+    alternatives = [o for o in options if re.fullmatch(r"alt[0-9]+", o)]
+    unknown = options - {"int8", "int4", "head", "compile"} - set(alternatives)
     if unknown:
         raise ValueError(
-            f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 or +int4, +head, +compile (any of them)"
+            f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 or +int4, +head, +compile, +altN "
+            "(any of them)"
         )
+    if len(alternatives) > 1:
+        raise ValueError(f"{spec!r} gives the number of alternatives twice ({sorted(alternatives)}): pick one")
     quant = options & {"int8", "int4"}
     if len(quant) > 1:
         raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
@@ -92,6 +101,7 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
         quant=quant.pop() if quant else None,
         head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
         compile="compile" in options,
+        alternatives=int(alternatives[0][3:]) if alternatives else 0,
     )
     return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if auto else drafter
 

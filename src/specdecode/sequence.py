@@ -72,6 +72,7 @@ class Sequence:
         self.drafter_ready = False  # the drafter has read the prompt
         self.step_prefill_s = 0.0  # of the last propose, the drafter's (deferred) prompt reading
         self.cancelled = False
+        self.leaf: tuple[int, int] | None = None  # the tree leaf the last step used (position, rank)
         self.started = time.perf_counter()
 
     @property
@@ -164,16 +165,28 @@ class Sequence:
             self.stats.plain_steps += 1
         return draft
 
-    def judge(self, draft: Draft, logits: torch.Tensor) -> int:
+    def judge(self, draft: Draft, logits: torch.Tensor, leaf_logits: torch.Tensor | None = None) -> int:
         """Accept a prefix of the draft from the target's logits [1, n+1, V] at [last] + draft; commit it
-        and the target's own next token. Returns how many draft tokens were accepted."""
+        and the target's own next token. Returns how many draft tokens were accepted.
+
+        leaf_logits [1, n, m, V]: the target's logits after each of draft.alternatives (tree.py). When the
+        target's own token at the first rejection is one of them, the target's next token after it is known
+        too and is committed as well; `self.leaf` then says which leaf ((position, rank), else None)."""
         if self.sampling.greedy:
             accepted_len, next_token = greedy_accept(draft.tokens, logits)
         else:
             target_probs = logits_to_probs(logits, self.sampling)
             accepted_len, next_token = speculative_accept(draft.tokens, draft.probs, target_probs, self.generator)
-        accepted = int(accepted_len[0])
-        self.new = draft.tokens[0, :accepted].tolist() + [int(next_token[0])]
+        accepted, correction = int(accepted_len[0]), int(next_token[0])
+        self.new = draft.tokens[0, :accepted].tolist() + [correction]
+        self.leaf = None
+        if leaf_logits is not None and accepted < draft.length:
+            runners_up = draft.alternatives[0, accepted].tolist()
+            if correction in runners_up:
+                self.leaf = (accepted, runners_up.index(correction))
+                after = leaf_logits[:, accepted, self.leaf[1]]  # [1, V]: the target's logits after the correction
+                self.new.append(int(after.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(after, self.sampling), self.generator)))
+                self.stats.leaf_tokens += 1
         self.ids = torch.cat([self.ids, torch.tensor([self.new])], dim=1)
         if self.drafter is not None:
             self.drafter.commit(self.ids)

@@ -22,6 +22,7 @@ class GenerationStats:
     plain_steps: int = 0  # steps where the controller chose not to draft (speculation off)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    leaf_tokens: int = 0  # extra tokens from an alternative the target corrected to (tree leaves, tree.py)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     accepted_len_histogram: list[int] = field(default_factory=list)  # [n] = steps that accepted n drafts

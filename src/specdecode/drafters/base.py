@@ -21,6 +21,9 @@ class Draft:
     # Of the time proposing took, the seconds spent reading committed tokens the drafter had not seen (after
     # plain or lookup steps): a one-off catch-up, not what drafting costs per token.
     reading_s: float = 0.0
+    # [B, n, m]: at each position, m other likely tokens the target may correct to (leaves verified with the
+    # chain in one pass, see tree.py); None: none offered
+    alternatives: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -32,6 +35,7 @@ class Draft:
             self.tokens = self.tokens[:, :length]
             self.probs = None if self.probs is None else self.probs[:, :length]
             self.confidence = None if self.confidence is None else self.confidence[:length]
+            self.alternatives = None if self.alternatives is None else self.alternatives[:, :length]
 
     @staticmethod
     def empty(batch: int = 1, device: torch.device | str = "cpu") -> "Draft":

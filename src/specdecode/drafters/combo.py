@@ -18,6 +18,10 @@ class ComboDrafter(Drafter):
         self.name = f"auto({model.name})"
 
     @property
+    def alternatives(self) -> int:
+        return self.model.alternatives
+
+    @property
     def forward_passes(self) -> int:
         return self.model.forward_passes
 

@@ -32,15 +32,19 @@ class ModelDrafter(Drafter):
     """Drafts with a small model. `quant` ("int8" or "int4") swaps its Linear layers for weight-only
     packed ones (one- and two-row steps); `head_tokens` restricts its output head to that many common
     tokens plus the prompt's; `compile` runs its one-token step through torch.compile (compiled once,
-    here: a one-token step is ~half framework overhead on CPU). None changes the target's output."""
+    here: a one-token step is ~half framework overhead on CPU); `alternatives` offers that many runner-up
+    tokens at each drafted position (tree leaves, see tree.py). None changes the target's output."""
 
     QUANT_BITS = {"int8": 8, "int4": 4}
 
     def __init__(
         self, model, tokenizer=None, name: str | None = None, *, quant: str | None = None, head_tokens: int | None = None,
-        compile: bool = False,
+        compile: bool = False, alternatives: int = 0,
     ):
+        if not isinstance(alternatives, int) or alternatives < 0:
+            raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
         self.model = model
+        self.alternatives = alternatives
         self.tokenizer = tokenizer
         self.name = name or getattr(model, "spec", None) or model.config.name_or_path or "model"
         if quant is not None:
@@ -150,7 +154,7 @@ class ModelDrafter(Drafter):
             self._read(pending[:, :-1])
             reading_s = time.perf_counter() - t0
             pending = pending[:, -1:]
-        tokens, probs, confidence = [], [], []
+        tokens, probs, confidence, runners_up = [], [], [], []
         for i in range(k):
             if i and keep_going is not None and not keep_going(i, confidence[-1]):
                 break
@@ -165,8 +169,19 @@ class ModelDrafter(Drafter):
                 conf = q[0, token[0]]
             tokens.append(token)
             confidence.append(float(conf))
+            if self.alternatives:
+                runners_up.append(self._runners_up(logits[0], int(token[0])))
             pending = token[:, None]
-        return Draft(torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None, confidence, self.name, reading_s)
+        alternatives = torch.tensor([runners_up]) if runners_up else None
+        return Draft(
+            torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None, confidence, self.name, reading_s,
+            alternatives=alternatives,
+        )
+
+    def _runners_up(self, logits: torch.Tensor, chosen: int) -> list[int]:
+        """The draft's most likely tokens after the one it chose (sampling may have chosen any)."""
+        top = logits.topk(self.alternatives + 1).indices.tolist()
+        return [t for t in top if t != chosen][: self.alternatives]
 
     def commit(self, input_ids: torch.Tensor) -> None:
         keep = common_prefix_len(self.cached_ids[0], input_ids[0].cpu())

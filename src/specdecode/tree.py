@@ -1,0 +1,73 @@
+"""Verify a draft chain and, in the same target pass, one-token alternatives at each of its positions.
+
+At the first rejected position the target's own token (its correction) is often the draft's second or third
+choice. A leaf holding that choice, scored in the same pass, gives the target's next token after the
+correction for free: one more token on such steps. On a CPU a pass is about as slow for 17 positions as for 1
+(the weights are read once either way), so the leaves cost little.
+
+Layout of the pass over a cache holding `past` positions, for a chain d_0..d_{n-1} with m alternatives each:
+
+    input:    [last] d_0 .. d_{n-1} | a_{0,0} .. a_{0,m-1} | a_{1,0} .. | ... | a_{n-1,m-1}
+    position:  P     P+1 .. P+n     | P+1 (each)           | P+2        | ... | P+n
+
+Chain tokens attend causally; leaf a_{j,r} stands where d_j stands: it attends the cache, [last], d_0..d_{j-1}
+and itself. Nothing here decides what is accepted (`Sequence.judge` does, by the usual rule): a leaf is used
+only when the accepted correction equals it, so the output is the target's, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TreeLayout:
+    def __init__(self, last: torch.Tensor, chain: torch.Tensor, alternatives: torch.Tensor | None):
+        """last [1, 1], chain [1, n], alternatives [1, n, m] (or None: a plain chain)."""
+        self.n = chain.shape[1]
+        self.m = 0 if alternatives is None or self.n == 0 else alternatives.shape[2]
+        parts = [last, chain]
+        if self.m:
+            parts.append(alternatives[:, : self.n].reshape(1, self.n * self.m))
+        self.tokens = torch.cat(parts, dim=1)  # [1, W]
+
+    @property
+    def width(self) -> int:
+        return 1 + self.n * (1 + self.m)
+
+    def leaf_index(self, position: int, rank: int) -> int:
+        """Where leaf `rank` at chain position `position` sits in the pass's input."""
+        return 1 + self.n + position * self.m + rank
+
+    def model_inputs(self, past: int, dtype: torch.dtype) -> dict:
+        """position_ids and a 4D additive attention mask for a pass over a cache of `past` positions ({} for a
+        plain chain: the model's own causal mask is the same)."""
+        if not self.m:
+            return {}
+        W = self.width
+        # Which chain slot (0 = [last]) each input stands in, and which earlier chain slots it sees.
+        slot = torch.arange(W)
+        slot[1 + self.n :] = 1 + torch.arange(self.n).repeat_interleave(self.m)
+        query, key = torch.arange(W)[:, None], torch.arange(1 + self.n)[None, :]
+        sees_chain = (key < slot[:, None]) | (key == query)  # the chain slots before one's own, and oneself
+        sees_leaves = torch.eye(W, dtype=torch.bool)[:, 1 + self.n :]  # a leaf sees no other leaf
+        allowed = torch.cat([torch.ones(W, past, dtype=torch.bool), sees_chain, sees_leaves], dim=1)
+        mask = torch.zeros(1, 1, W, past + W, dtype=dtype)
+        mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
+        return dict(position_ids=(past + slot)[None, :], attention_mask=mask)
+
+    def split_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[1, W, V] -> the chain's [1, n+1, V] and the leaves' [1, n, m, V] (None for a plain chain)."""
+        chain = logits[:, : 1 + self.n]
+        if not self.m:
+            return chain, None
+        return chain, logits[:, 1 + self.n :].reshape(1, self.n, self.m, -1)
+
+
+@torch.inference_mode()
+def keep_leaf(cache, past: int, layout: TreeLayout, position: int, rank: int) -> None:
+    """Move an accepted leaf's K/V into the chain slot it stood for (the caller then crops the cache after
+    it). K/V carry their rotary position, which is that slot's."""
+    src, dst = past + layout.leaf_index(position, rank), past + 1 + position
+    for layer in cache.layers:
+        for kv in (layer.keys, layer.values):
+            kv[..., dst, :] = kv[..., src, :]

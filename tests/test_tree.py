@@ -1,0 +1,129 @@
+"""Tree leaves (a draft's runner-up tokens verified with its chain in one pass) keep the target's output."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import specdecode.engine as engine_module
+from specdecode import ModelDrafter, SpeculativeEngine
+from specdecode.engine import target_logits
+from specdecode.sampling import SamplingParams
+from specdecode.drafters.base import Draft
+from specdecode.sequence import Sequence
+from specdecode.tree import TreeLayout
+from test_sampling import ALPHA, SETTINGS, SAMPLES, VOCAB, exact_marginals, fit, sample_second_and_third, small_vocab_pair  # noqa: F401
+from tiny import random_prompt, reference_greedy
+
+PROMPTS = [(seed, 3 + seed % 11) for seed in range(10)]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return {seed: reference_greedy(target, random_prompt(seed, n), NEW_TOKENS) for seed, n in PROMPTS}
+
+
+def generate_all(engine):
+    results = [engine.generate(random_prompt(s, n), max_new_tokens=NEW_TOKENS).result() for s, n in PROMPTS]
+    return results, sum(r.stats.leaf_tokens for r in results)
+
+
+def test_tree_pass_scores_each_leaf_as_its_own_sequence(target):
+    """Every position of one tree pass gives the logits a plain pass over that position's own path gives."""
+    prefix, last = random_prompt(0, 9), torch.tensor([[7]])
+    chain, alternatives = torch.tensor([[11, 12, 13]]), torch.tensor([[[21, 22], [31, 32], [41, 42]]])
+    tree = TreeLayout(last, chain, alternatives)
+    cache = DynamicCache(config=target.config)
+    target_logits(target, prefix, cache)
+    chain_logits, leaf_logits = tree.split_logits(
+        target_logits(target, tree.tokens, cache, **tree.model_inputs(prefix.shape[1], torch.float32))
+    )
+    path = torch.cat([prefix, last, chain], 1)
+    with torch.no_grad():
+        assert torch.allclose(chain_logits[0], target(path).logits[0, prefix.shape[1]:], atol=1e-5)
+        for j in range(3):
+            for r in range(2):
+                own_path = torch.cat([prefix, last, chain[:, :j], alternatives[:, j, r : r + 1]], 1)
+                assert torch.allclose(leaf_logits[0, j, r], target(own_path).logits[0, -1], atol=1e-5), (j, r)
+
+
+@pytest.mark.parametrize("alternatives", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_output_equals_target_greedy_with_leaves(target, near_draft, weak_draft, references, alternatives, k):
+    leaves = 0
+    for draft in (near_draft, weak_draft):
+        results, used = generate_all(SpeculativeEngine(target, ModelDrafter(draft, alternatives=alternatives), k=k))
+        for (seed, _), result in zip(PROMPTS, results):
+            assert result.token_ids == references[seed], f"prompt {seed}, k={k}, alternatives={alternatives}"
+        leaves += used
+    assert leaves > 0, "no leaf was ever used: the test did not exercise the tree path"
+
+
+def test_adaptive_engine_with_leaves_keeps_greedy_output(target, near_draft, references):
+    results, used = generate_all(SpeculativeEngine(target, ModelDrafter(near_draft, alternatives=2), k=8, adaptive=True))
+    assert [r.token_ids for r in results] == [references[s] for s, _ in PROMPTS]
+    assert used > 0
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    ["leaf K/V not moved", "leaf K/V moved one slot late"],
+)
+def test_a_wrong_cache_after_a_leaf_is_caught(target, near_draft, references, monkeypatch, mutation):
+    """The greedy tests above fail if the accepted leaf's K/V is not put where the correction stands."""
+
+    @torch.inference_mode()
+    def moved_late(cache, past, layout, position, rank):
+        src, dst = past + layout.leaf_index(position, rank), past + 2 + position
+        for layer in cache.layers:
+            for kv in (layer.keys, layer.values):
+                kv[..., dst, :] = kv[..., src, :]
+
+    monkeypatch.setattr(engine_module, "keep_leaf", (lambda *args: None) if mutation == "leaf K/V not moved" else moved_late)
+    results, used = generate_all(SpeculativeEngine(target, ModelDrafter(near_draft, alternatives=2), k=4))
+    assert used > 0
+    assert any(r.token_ids != references[s] for r, (s, _) in zip(results, PROMPTS))
+
+
+def test_batched_engine_ignores_leaves(target, near_draft, references):
+    from specdecode.batch import BatchEngine
+
+    engine = BatchEngine(target, ModelDrafter(near_draft, alternatives=2), k=4)
+    prompts = [random_prompt(s, n) for s, n in PROMPTS[:4]]
+    seqs = engine.generate_all([dict(input_ids=p, max_new_tokens=NEW_TOKENS) for p in prompts])
+    assert [seq.result.token_ids for seq in seqs] == [references[s] for s, _ in PROMPTS[:4]]
+
+
+# Every token but the drafted one as a leaf: each rejection then goes through a leaf, which gives the check its power.
+ALL_OTHERS = VOCAB - 1
+
+
+@pytest.mark.parametrize("alternatives", [2, ALL_OTHERS])
+@pytest.mark.parametrize("params", SETTINGS[:2], ids=lambda p: f"T{p.temperature}")
+def test_sampling_with_leaves_matches_target_distribution(small_vocab_pair, params, alternatives):  # noqa: F811
+    target, draft = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    engine = SpeculativeEngine(target, ModelDrafter(draft, alternatives=alternatives), k=2)
+    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
+    exact2, exact3 = exact_marginals(target, prompt, params)
+    results = [fit(second, exact2), fit(third, exact3)]
+    assert all(pv > ALPHA for pv, _ in results), results
+
+
+def one_hot_logits(tokens: list[int], vocab: int = VOCAB) -> torch.Tensor:
+    logits = torch.full((len(tokens), vocab), -1e9)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
+    return logits
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=0)], ids=["greedy", "sampled"])
+def test_the_extra_token_comes_from_the_leaf_the_target_corrected_to(params):
+    """Draft [3, 4] with runner-ups [[5, 6], [7, 8]]; the target rejects 3 for 6: the leaf after 6 says 10."""
+    draft = Draft(torch.tensor([[3, 4]]), alternatives=torch.tensor([[[5, 6], [7, 8]]]))
+    chain = one_hot_logits([6, 0, 0])[None]  # the target wants 6 where the draft put 3
+    leaves = one_hot_logits([9, 10, 11, 12]).view(1, 2, 2, VOCAB)  # after 5: 9, after 6: 10, ...
+    seq = Sequence(random_prompt(0, 4, vocab=VOCAB), max_new_tokens=10, k=2, sampling=params)
+    assert seq.judge(draft, chain, leaves) == 0
+    assert seq.new[-2:] == [6, 10] and seq.leaf == (0, 1) and seq.stats.leaf_tokens == 1
+    seq.judge(draft, one_hot_logits([3, 2, 0])[None], leaves)  # corrected to 2: no leaf holds it
+    assert seq.new[-2:] == [3, 2] and seq.leaf is None and seq.stats.leaf_tokens == 1
