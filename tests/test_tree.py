@@ -8,6 +8,7 @@ import specdecode.engine as engine_module
 from specdecode import ModelDrafter, SpeculativeEngine
 from specdecode.engine import target_logits
 from specdecode.sampling import SamplingParams
+from specdecode.control import AdaptiveK
 from specdecode.drafters.base import Draft
 from specdecode.sequence import Sequence
 from specdecode.tree import TreeLayout
@@ -127,3 +128,30 @@ def test_the_extra_token_comes_from_the_leaf_the_target_corrected_to(params):
     assert seq.new[-2:] == [6, 10] and seq.leaf == (0, 1) and seq.stats.leaf_tokens == 1
     seq.judge(draft, one_hot_logits([3, 2, 0])[None], leaves)  # corrected to 2: no leaf holds it
     assert seq.new[-2:] == [3, 2] and seq.leaf is None and seq.stats.leaf_tokens == 1
+
+
+def test_the_speculation_gate_counts_leaf_hits():
+    """First tokens accepted 15 % of the time at a draft cost that loses to plain decoding; when a leaf holds
+    the correction at half the rejections, each step gains enough to draft."""
+    def controller(leaves: int) -> AdaptiveK:
+        ctl = AdaptiveK(max_k=4, probe_every=1000)
+        for width in range(1, 12):
+            ctl.observe_pass(width, 1, 0.25)
+        ctl.costs.observe_draft("model", 1, 0.05)
+        ctl.first_accept.value = 0.15
+        ctl.leaves, ctl.leaf_hit.value = leaves, 0.5
+        return ctl
+
+    assert controller(leaves=0).plan(10) == 0  # (1 + 0.15) / 0.30 s < 1 / 0.25 s: plain decoding
+    assert controller(leaves=2).plan(10) == 4  # (1 + 0.15 + 0.85 * 0.5) / 0.30 s > 1 / 0.25 s
+
+
+def test_a_leaf_hit_is_learned_only_from_rejections():
+    ctl = AdaptiveK(max_k=4)
+    ctl.leaves = 2
+    before = ctl.leaf_hit.value
+    ctl.observe("model", [0.9, 0.9], drafted=2, accepted=2, draft_s=0.05, verify_s=0.25, positions=7, leaf_used=False)
+    assert ctl.leaf_hit.value == before  # all accepted: no leaf was asked for
+    ctl.observe("model", [0.9, 0.9], drafted=2, accepted=0, draft_s=0.05, verify_s=0.25, positions=7, leaf_used=True)
+    assert ctl.leaf_hit.value > before
+    assert ctl.costs.measured(7)  # the pass is costed at its real width

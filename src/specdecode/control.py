@@ -123,7 +123,7 @@ class FixedK:
     def trim(self, draft):
         return draft
 
-    def observe(self, source, confidences, drafted, accepted, draft_s, verify_s, positions=None) -> None:
+    def observe(self, source, confidences, drafted, accepted, draft_s, verify_s, positions=None, leaf_used=None) -> None:
         pass
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
@@ -156,8 +156,10 @@ class AdaptiveK:
         self.position_accept: dict[str, list[Ema]] = {}
         self._expected = self._elapsed = 0.0
         self.rows = 1  # rows in the current batch (set by plan_batch)
-        # Alternatives a model draft carries per drafted token (tree leaves, tree.py): each widens the pass
+        # Alternatives a model draft carries per drafted token (tree leaves, tree.py): each widens the pass, and
+        # at a rejection one of them is the target's correction this often (one more token: drafting pays more)
         self.leaves = 0
+        self.leaf_hit = Ema(0.1, 0.3)
         self.batch_cap: int | None = None  # the batch's draft cap this step (None: single-sequence rule)
         self.batch_plain_steps = 0
         self._probe_rows: int | None = None  # during a batch probe: how many more rows may draft
@@ -167,6 +169,9 @@ class AdaptiveK:
         """This row's share of a verify pass where every row scores `positions` positions."""
         t = self.costs.verify_time(positions, self.rows)
         return t / self.rows if t is not None else 0.0
+
+    def _leaf_hit(self) -> float:
+        return self.leaf_hit.value if self.leaves else 0.0
 
     def _verify_model_draft(self, positions: int) -> float:
         """A single sequence's pass over [last] + positions - 1 model-drafted tokens and their leaves."""
@@ -187,7 +192,8 @@ class AdaptiveK:
             return min(self.batch_cap, self.max_k, max_len)
         t_plain, t_draft = self._verify(1), self.costs.draft_time()
         if t_plain and t_draft:
-            speculative_rate = (1 + self.first_accept.value) / (t_draft + self._verify_model_draft(2))
+            a = self.first_accept.value
+            speculative_rate = (1 + a + (1 - a) * self._leaf_hit()) / (t_draft + self._verify_model_draft(2))
             if speculative_rate < self.min_gain / t_plain:
                 if self.plain_steps < self.probe_every:
                     self.plain_steps += 1
@@ -278,12 +284,12 @@ class AdaptiveK:
         t_draft = self.costs.draft_time()
         if not t_draft:
             return True  # nothing measured yet: draft the full length once
-        accept = self.calibrator.predict(confidence)
+        accept, leaf_hit = self.calibrator.predict(confidence), self._leaf_hit()
+        self._expected += self._survive * (accept + (1 - accept) * leaf_hit)  # this token, or a leaf at its place
         self._survive *= accept
-        self._expected += self._survive
         verify = self._verify_model_draft
         self._elapsed += t_draft + verify(drafted + 1) - verify(drafted)
-        gain = self._survive * accept  # the next token is predicted to fare like this one
+        gain = self._survive * (accept + (1 - accept) * leaf_hit)  # the next token is predicted to fare like this one
         cost = t_draft + verify(drafted + 2) - verify(drafted + 1)
         return gain / max(cost, 1e-9) > self._expected / max(self._elapsed, 1e-9)
 
@@ -314,10 +320,13 @@ class AdaptiveK:
 
     def observe(
         self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float,
-        positions: int | None = None,
+        positions: int | None = None, leaf_used: bool | None = None,
     ) -> None:
-        """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves)."""
+        """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves);
+        `leaf_used`: whether a leaf held the correction (None: the draft had no leaves)."""
         self.observe_pass(positions or drafted + 1, 1, verify_s)
+        if leaf_used is not None and accepted < drafted:
+            self.leaf_hit.update(1.0 if leaf_used else 0.0)
         self.observe_row(source, confidences, drafted, accepted, draft_s)
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
