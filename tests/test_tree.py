@@ -86,13 +86,20 @@ def test_a_wrong_cache_after_a_leaf_is_caught(target, near_draft, references, mo
     assert any(r.token_ids != references[s] for r, (s, _) in zip(results, PROMPTS))
 
 
-def test_batched_engine_ignores_leaves(target, near_draft, references):
+def test_batched_engine_uses_leaves_for_a_row_alone(target, near_draft, references):
+    """A row running alone verifies its leaves; rows side by side do not (a wider pass is not free there), and a
+    row left alone after the others finished starts using them on a cache with holes. Output is the target's."""
     from specdecode.batch import BatchEngine
 
     engine = BatchEngine(target, ModelDrafter(near_draft, alternatives=2), k=4)
-    prompts = [random_prompt(s, n) for s, n in PROMPTS[:4]]
-    seqs = engine.generate_all([dict(input_ids=p, max_new_tokens=NEW_TOKENS) for p in prompts])
-    assert [seq.result.token_ids for seq in seqs] == [references[s] for s, _ in PROMPTS[:4]]
+    alone = [engine.generate_all([dict(input_ids=random_prompt(s, n), max_new_tokens=NEW_TOKENS)])[0] for s, n in PROMPTS]
+    assert [seq.result.token_ids for seq in alone] == [references[s] for s, _ in PROMPTS]
+    assert sum(seq.stats.leaf_tokens for seq in alone) > 0
+    budgets = [NEW_TOKENS // 3, NEW_TOKENS, NEW_TOKENS // 2, NEW_TOKENS]  # rows leave at different steps
+    together = engine.generate_all(
+        [dict(input_ids=random_prompt(s, n), max_new_tokens=b) for (s, n), b in zip(PROMPTS[:4], budgets)]
+    )
+    assert [seq.result.token_ids for seq in together] == [references[s][:b] for (s, _), b in zip(PROMPTS[:4], budgets)]
 
 
 # Every token but the drafted one as a leaf: each rejection then goes through a leaf, which gives the check its power.

@@ -32,6 +32,7 @@ from .sampling import SamplingParams
 from .sequence import Sequence, context_window, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
+from .tree import TreeLayout, additive_mask, keep_leaf
 
 
 @dataclass
@@ -56,9 +57,10 @@ class StepReport:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def live_slots(accepted: list[int], keep: int) -> torch.Tensor:
-    """[B, keep] mask of the slots each row keeps from a verify pass: its [last] + accepted draft tokens."""
-    return torch.arange(keep)[None, :] < (1 + torch.tensor(accepted))[:, None]
+def live_slots(kept: list[int], keep: int) -> torch.Tensor:
+    """[B, keep] mask of the slots each row keeps from a verify pass: its [last] + `kept` more (accepted draft
+    tokens, and a correction whose K/V came from a tree leaf)."""
+    return torch.arange(keep)[None, :] < (1 + torch.tensor(kept))[:, None]
 
 
 def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -171,6 +173,8 @@ class BatchEngine:
             return report
         B = len(self.rows)
         controller = self.controller
+        if controller is not None:  # a row running alone verifies its draft's leaves; beside others it does not
+            controller.leaves = getattr(self.rows[0].drafter, "alternatives", 0) if B == 1 else 0
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
         calibrate = controller is not None and not controller.costs.measured(1, B)
         if controller is not None and not calibrate:
@@ -213,41 +217,56 @@ class BatchEngine:
                 if seq.drafter is not None and not draft.length and seq.draft_budget > 0:
                     seq.stats.plain_steps += 1
 
-        width = 1 + max(d.length for d in drafts)
+        # Tree leaves (tree.py) only for a row running alone: beside other rows a wider pass is not free.
+        trees = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if B == 1 else None) for seq, d in zip(self.rows, drafts)]
+        width = max(tree.width for tree in trees)
         T = self.mask.shape[1]
         tokens = torch.zeros(B, width, dtype=torch.long)
-        fed = torch.zeros(B, width, dtype=torch.bool)
-        for i, (seq, draft) in enumerate(zip(self.rows, drafts)):
-            n = 1 + draft.length
-            tokens[i, :n] = torch.cat([seq.ids[0, -1:], draft.tokens[0]])
+        fed = torch.zeros(B, width, width, dtype=torch.bool)  # [row, query, key] among this pass's inputs
+        offsets = torch.arange(width).repeat(B, 1)
+        for i, tree in enumerate(trees):
+            n = tree.width
+            tokens[i, :n] = tree.tokens[0]
             tokens[i, n:] = tokens[i, 0]  # padding: any token, masked out
-            fed[i, :n] = True
+            fed[i, :n, :n] = tree.visibility
+            offsets[i, :n] = tree.offsets
         first_pos = torch.tensor([seq.ids.shape[1] - 1 for seq in self.rows])
-        position_ids = first_pos[:, None] + torch.arange(width)[None, :]
-        attention_mask = torch.cat([self.mask, fed], dim=1)
+        position_ids = first_pos[:, None] + offsets
+        if any(tree.m for tree in trees):
+            allowed = torch.cat([self.mask[:, None, :].expand(B, width, T), fed], dim=2)[:, None]
+            attention_mask = additive_mask(allowed, self.target.dtype)
+        else:  # chains: a 2-D mask of live slots (the model makes it causal)
+            attention_mask = torch.cat([self.mask, fed.diagonal(dim1=1, dim2=2)], dim=1)
 
         t0 = time.perf_counter()
         logits = target_logits(
             self.target, tokens, self.cache,
             attention_mask=attention_mask.to(self.target.device), position_ids=position_ids.to(self.target.device),
         )
-        accepted = []
-        for i, (seq, draft) in enumerate(zip(self.rows, drafts)):
-            accepted.append(seq.judge(draft, logits[i : i + 1, : draft.length + 1]))
-        keep = 1 + max(accepted)
+        accepted, kept = [], []  # draft tokens accepted; slots each row keeps after its [last]
+        for i, (seq, draft, tree) in enumerate(zip(self.rows, drafts, trees)):
+            accepted.append(seq.judge(draft, *tree.split_logits(logits[i : i + 1, : tree.width])))
+            kept.append(accepted[-1])
+            if seq.leaf is not None:  # the correction's K/V, computed at its leaf, moves to its slot
+                keep_leaf(self.cache, T, tree, *seq.leaf, row=i)
+                kept[-1] += 1
+        keep = 1 + max(kept)
         if width > keep:
             self.cache.crop(-(width - keep))
-        self.mask = torch.cat([self.mask, live_slots(accepted, keep)], dim=1)
+        self.mask = torch.cat([self.mask, live_slots(kept, keep)], dim=1)
         verify_s = time.perf_counter() - t0
         assert self.mask.shape[1] == T + keep == self.cache.get_seq_length()
 
         report.rows, report.width, report.verify_s = B, width, verify_s
         if controller is not None:
             controller.observe_pass(width, B, verify_s)
-        for seq, draft, n_acc, seconds in zip(self.rows, drafts, accepted, draft_s):
+        for seq, draft, tree, n_acc, seconds in zip(self.rows, drafts, trees, accepted, draft_s):
             seq.stats.verify_time_s += verify_s
             if controller is not None:
-                controller.observe_row(draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s)
+                controller.observe_row(
+                    draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s,
+                    leaf_used=(seq.leaf is not None) if tree.m else None,
+                )
             report.drafted += draft.length
             report.accepted += n_acc
             count_positions(report.drafted_per_position, draft.length)

@@ -16,7 +16,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default="auto",
-        help=f"drafter: a model spec (with +int8 or +int4, +head, +compile options), 'ngram' (prompt lookup), 'self[:L]' (the "
+        help=f"drafter: a model spec (with +int8 or +int4, +head, +compile, +altN options), 'ngram' (prompt lookup), 'self[:L]' (the "
         f"target's first L layers), 'auto[:MODEL]' "
         f"(n-gram where the context matches, else the int4 + restricted-head {DEFAULT_DRAFT}; adaptive; the default) or 'none'",
     )

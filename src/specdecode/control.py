@@ -129,7 +129,7 @@ class FixedK:
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
         pass
 
-    def observe_row(self, source, confidences, drafted, accepted, draft_s) -> None:
+    def observe_row(self, source, confidences, drafted, accepted, draft_s, leaf_used=None) -> None:
         pass
 
 
@@ -325,17 +325,21 @@ class AdaptiveK:
         """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves);
         `leaf_used`: whether a leaf held the correction (None: the draft had no leaves)."""
         self.observe_pass(positions or drafted + 1, 1, verify_s)
-        if leaf_used is not None and accepted < drafted:
-            self.leaf_hit.update(1.0 if leaf_used else 0.0)
-        self.observe_row(source, confidences, drafted, accepted, draft_s)
+        self.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used)
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
         """A verify pass of `rows` rows x `positions` positions (the batch's widest draft + 1) took `seconds`."""
         self.costs.observe_verify(positions, seconds, rows)
 
-    def observe_row(self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float) -> None:
-        """What one row drafted in `draft_s` seconds and how much of it the target accepted."""
+    def observe_row(
+        self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
+        leaf_used: bool | None = None,
+    ) -> None:
+        """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
+        a tree leaf held the correction; None: the draft had no leaves)."""
         self.costs.observe_draft(source, drafted, draft_s)
+        if leaf_used is not None and accepted < drafted:
+            self.leaf_hit.update(1.0 if leaf_used else 0.0)
         if not drafted:
             return
         self.first_accept.update(1.0 if accepted else 0.0)

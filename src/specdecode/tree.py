@@ -38,22 +38,29 @@ class TreeLayout:
         """Where leaf `rank` at chain position `position` sits in the pass's input."""
         return 1 + self.n + position * self.m + rank
 
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[W]: each input's position after [last]'s (a leaf stands in its chain token's slot)."""
+        slot = torch.arange(self.width)
+        slot[1 + self.n :] = 1 + torch.arange(self.n).repeat_interleave(self.m)
+        return slot
+
+    @property
+    def visibility(self) -> torch.Tensor:
+        """[W, W] bool: which of the pass's inputs each input attends (all of them attend the whole cache)."""
+        W, slot = self.width, self.offsets
+        query, key = torch.arange(W)[:, None], torch.arange(1 + self.n)[None, :]
+        sees_chain = (key < slot[:, None]) | (key == query)  # the chain slots before one's own, and oneself
+        sees_leaves = torch.eye(W, dtype=torch.bool)[:, 1 + self.n :]  # a leaf sees no other leaf
+        return torch.cat([sees_chain, sees_leaves], dim=1)
+
     def model_inputs(self, past: int, dtype: torch.dtype) -> dict:
         """position_ids and a 4D additive attention mask for a pass over a cache of `past` positions ({} for a
         plain chain: the model's own causal mask is the same)."""
         if not self.m:
             return {}
-        W = self.width
-        # Which chain slot (0 = [last]) each input stands in, and which earlier chain slots it sees.
-        slot = torch.arange(W)
-        slot[1 + self.n :] = 1 + torch.arange(self.n).repeat_interleave(self.m)
-        query, key = torch.arange(W)[:, None], torch.arange(1 + self.n)[None, :]
-        sees_chain = (key < slot[:, None]) | (key == query)  # the chain slots before one's own, and oneself
-        sees_leaves = torch.eye(W, dtype=torch.bool)[:, 1 + self.n :]  # a leaf sees no other leaf
-        allowed = torch.cat([torch.ones(W, past, dtype=torch.bool), sees_chain, sees_leaves], dim=1)
-        mask = torch.zeros(1, 1, W, past + W, dtype=dtype)
-        mask.masked_fill_(~allowed[None, None], torch.finfo(dtype).min)
-        return dict(position_ids=(past + slot)[None, :], attention_mask=mask)
+        allowed = torch.cat([torch.ones(self.width, past, dtype=torch.bool), self.visibility], dim=1)
+        return dict(position_ids=(past + self.offsets)[None, :], attention_mask=additive_mask(allowed[None, None], dtype))
 
     def split_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[1, W, V] -> the chain's [1, n+1, V] and the leaves' [1, n, m, V] (None for a plain chain)."""
@@ -63,11 +70,18 @@ class TreeLayout:
         return chain, logits[:, 1 + self.n :].reshape(1, self.n, self.m, -1)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool [B, 1, Q, K] mask -> the additive float mask attention takes (0 where allowed)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 @torch.inference_mode()
-def keep_leaf(cache, past: int, layout: TreeLayout, position: int, rank: int) -> None:
+def keep_leaf(cache, past: int, layout: TreeLayout, position: int, rank: int, row: int | None = None) -> None:
     """Move an accepted leaf's K/V into the chain slot it stood for (the caller then crops the cache after
-    it). K/V carry their rotary position, which is that slot's."""
+    it); `row`: of a batched cache, only that row. K/V carry their rotary position, which is that slot's."""
     src, dst = past + layout.leaf_index(position, rank), past + 1 + position
+    rows = slice(None) if row is None else row
     for layer in cache.layers:
         for kv in (layer.keys, layer.values):
-            kv[..., dst, :] = kv[..., src, :]
+            kv[rows, :, dst] = kv[rows, :, src]
