@@ -69,9 +69,10 @@ DEV_PROMPTS = Path(__file__).parents[2] / "shared" / "prompts" / "specbench-dev.
 
 
 @pytest.mark.slow
-def test_qwen_pair_fp32_greedy_identity():
+@pytest.mark.parametrize("draft", ["qwen2.5-coder-0.5b", "auto"])  # auto: int4 draft, restricted head, tree leaves
+def test_qwen_pair_fp32_greedy_identity(draft):
     """fp32 greedy on the Qwen pair equals plain decoding on a few dev prompts (minutes)."""
-    decoder = SpecDecoder.from_specs("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype="fp32")
+    decoder = SpecDecoder.from_specs("qwen2.5-coder-1.5b", draft, dtype="fp32")
     rows = [json.loads(line) for line in DEV_PROMPTS.read_text().splitlines()][::40]
     for row in rows:
         plain = decoder.generate(row["turns"][0], chat=True, max_new_tokens=32, speculate=False)

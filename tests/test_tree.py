@@ -13,7 +13,7 @@ from specdecode.drafters.base import Draft
 from specdecode.sequence import Sequence
 from specdecode.tree import TreeLayout
 from test_sampling import ALPHA, SETTINGS, SAMPLES, VOCAB, exact_marginals, fit, sample_second_and_third, small_vocab_pair  # noqa: F401
-from tiny import random_prompt, reference_greedy
+from tiny import random_prompt, reference_greedy, tiny_model
 
 PROMPTS = [(seed, 3 + seed % 11) for seed in range(10)]
 NEW_TOKENS = 24
@@ -32,7 +32,7 @@ def generate_all(engine):
 def test_tree_pass_scores_each_leaf_as_its_own_sequence(target):
     """Every position of one tree pass gives the logits a plain pass over that position's own path gives."""
     prefix, last = random_prompt(0, 9), torch.tensor([[7]])
-    chain, alternatives = torch.tensor([[11, 12, 13]]), torch.tensor([[[21, 22], [31, 32], [41, 42]]])
+    chain, alternatives = torch.tensor([[11, 12, 13]]), torch.tensor([[[21, 22], [31, -1], [-1, 42]]])  # -1: no leaf
     tree = TreeLayout(last, chain, alternatives)
     cache = DynamicCache(config=target.config)
     target_logits(target, prefix, cache)
@@ -40,12 +40,12 @@ def test_tree_pass_scores_each_leaf_as_its_own_sequence(target):
         target_logits(target, tree.tokens, cache, **tree.model_inputs(prefix.shape[1], torch.float32))
     )
     path = torch.cat([prefix, last, chain], 1)
+    assert tree.width == 1 + 3 + 4 and sorted(leaf_logits) == [(0, 0), (0, 1), (1, 0), (2, 1)]
     with torch.no_grad():
         assert torch.allclose(chain_logits[0], target(path).logits[0, prefix.shape[1]:], atol=1e-5)
-        for j in range(3):
-            for r in range(2):
-                own_path = torch.cat([prefix, last, chain[:, :j], alternatives[:, j, r : r + 1]], 1)
-                assert torch.allclose(leaf_logits[0, j, r], target(own_path).logits[0, -1], atol=1e-5), (j, r)
+        for j, r in leaf_logits:
+            own_path = torch.cat([prefix, last, chain[:, :j], alternatives[:, j, r : r + 1]], 1)
+            assert torch.allclose(leaf_logits[(j, r)][0], target(own_path).logits[0, -1], atol=1e-5), (j, r)
 
 
 @pytest.mark.parametrize("alternatives", [1, 2, 3])
@@ -102,7 +102,7 @@ def test_batched_engine_uses_leaves_for_a_row_alone(target, near_draft, referenc
     assert [seq.result.token_ids for seq in together] == [references[s][:b] for (s, _), b in zip(PROMPTS[:4], budgets)]
 
 
-# Every token but the drafted one as a leaf: each rejection then goes through a leaf, which gives the check its power.
+# Every token but the drafted one as a leaf (none left out as unlikely): each rejection then goes through a leaf.
 ALL_OTHERS = VOCAB - 1
 
 
@@ -111,7 +111,7 @@ ALL_OTHERS = VOCAB - 1
 def test_sampling_with_leaves_matches_target_distribution(small_vocab_pair, params, alternatives):  # noqa: F811
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
-    engine = SpeculativeEngine(target, ModelDrafter(draft, alternatives=alternatives), k=2)
+    engine = SpeculativeEngine(target, ModelDrafter(draft, alternatives=alternatives, leaf_min_mass=0.0), k=2)
     second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
     exact2, exact3 = exact_marginals(target, prompt, params)
     results = [fit(second, exact2), fit(third, exact3)]
@@ -129,7 +129,7 @@ def test_the_extra_token_comes_from_the_leaf_the_target_corrected_to(params):
     """Draft [3, 4] with runner-ups [[5, 6], [7, 8]]; the target rejects 3 for 6: the leaf after 6 says 10."""
     draft = Draft(torch.tensor([[3, 4]]), alternatives=torch.tensor([[[5, 6], [7, 8]]]))
     chain = one_hot_logits([6, 0, 0])[None]  # the target wants 6 where the draft put 3
-    leaves = one_hot_logits([9, 10, 11, 12]).view(1, 2, 2, VOCAB)  # after 5: 9, after 6: 10, ...
+    leaves = {leaf: logits[None] for leaf, logits in zip([(0, 0), (0, 1), (1, 0), (1, 1)], one_hot_logits([9, 10, 11, 12]))}
     seq = Sequence(random_prompt(0, 4, vocab=VOCAB), max_new_tokens=10, k=2, sampling=params)
     assert seq.judge(draft, chain, leaves) == 0
     assert seq.new[-2:] == [6, 10] and seq.leaf == (0, 1) and seq.stats.leaf_tokens == 1
@@ -162,3 +162,22 @@ def test_a_leaf_hit_is_learned_only_from_rejections():
     ctl.observe("model", [0.9, 0.9], drafted=2, accepted=0, draft_s=0.05, verify_s=0.25, positions=7, leaf_used=True)
     assert ctl.leaf_hit.value > before
     assert ctl.costs.measured(7)  # the pass is costed at its real width
+
+
+def test_the_drafter_leaves_out_runner_ups_unlikely_to_pay():
+    """A runner-up gets a leaf only if (the draft's chance of reaching its position) x (its probability) is at
+    least leaf_min_mass: none at all with a threshold above 1, every one with 0."""
+    prompt = random_prompt(4, 8)
+
+    def alternatives(leaf_min_mass):
+        drafter = ModelDrafter(tiny_model(3, sharpness=8.0), alternatives=3, leaf_min_mass=leaf_min_mass)
+        drafter.prefill(prompt)
+        return drafter.propose(prompt, 4, SamplingParams(), None).alternatives
+
+    assert (alternatives(0.0) >= 0).all()
+    assert (alternatives(1.01) == -1).all()
+    with torch.no_grad():  # position 0 is reached for sure: its first runner-up stays iff its probability passes
+        second = float(torch.softmax(tiny_model(3, sharpness=8.0)(prompt).logits[0, -1], -1).topk(2).values[1])
+    assert alternatives(second * 0.99)[0, 0, 0] >= 0 and alternatives(second * 1.01)[0, 0, 0] == -1
+    some = alternatives(second * 0.99)
+    assert TreeLayout(prompt[:, -1:], torch.zeros(1, 4, dtype=torch.long), some).width == 1 + 4 + int((some >= 0).sum())

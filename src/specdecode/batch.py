@@ -232,7 +232,7 @@ class BatchEngine:
             offsets[i, :n] = tree.offsets
         first_pos = torch.tensor([seq.ids.shape[1] - 1 for seq in self.rows])
         position_ids = first_pos[:, None] + offsets
-        if any(tree.m for tree in trees):
+        if any(tree.leaves for tree in trees):
             allowed = torch.cat([self.mask[:, None, :].expand(B, width, T), fed], dim=2)[:, None]
             attention_mask = additive_mask(allowed, self.target.dtype)
         else:  # chains: a 2-D mask of live slots (the model makes it causal)
@@ -265,7 +265,7 @@ class BatchEngine:
             if controller is not None:
                 controller.observe_row(
                     draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s,
-                    leaf_used=(seq.leaf is not None) if tree.m else None,
+                    leaf_used=(seq.leaf is not None) if tree.leaves else None,
                 )
             report.drafted += draft.length
             report.accepted += n_acc

@@ -160,6 +160,7 @@ class AdaptiveK:
         # at a rejection one of them is the target's correction this often (one more token: drafting pays more)
         self.leaves = 0
         self.leaf_hit = Ema(0.1, 0.3)
+        self.leaves_per_token = Ema(0.2)  # leaves a drafted token actually carried (the drafter leaves out unlikely ones)
         self.batch_cap: int | None = None  # the batch's draft cap this step (None: single-sequence rule)
         self.batch_plain_steps = 0
         self._probe_rows: int | None = None  # during a batch probe: how many more rows may draft
@@ -175,7 +176,8 @@ class AdaptiveK:
 
     def _verify_model_draft(self, positions: int) -> float:
         """A single sequence's pass over [last] + positions - 1 model-drafted tokens and their leaves."""
-        return self._verify(1 + (positions - 1) * (1 + self.leaves))
+        leaves = self.leaves_per_token.value if self.leaves and self.leaves_per_token.value is not None else self.leaves
+        return self._verify(1 + (positions - 1) * (1 + leaves))
 
     def plan(self, max_len: int, ready: bool = True) -> int:
         """0 means: do not draft this step (plain decoding). ready: the row's drafter has read its prompt."""
@@ -325,6 +327,8 @@ class AdaptiveK:
         """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves);
         `leaf_used`: whether a leaf held the correction (None: the draft had no leaves)."""
         self.observe_pass(positions or drafted + 1, 1, verify_s)
+        if leaf_used is not None and drafted and positions:
+            self.leaves_per_token.update((positions - 1 - drafted) / drafted)
         self.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used)
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:

@@ -118,7 +118,7 @@ class SpeculativeEngine:
             t2 = time.perf_counter()
             controller.observe(
                 draft.source, draft.confidence, draft.length, accepted, t1 - t0 - draft.reading_s, t2 - t1,
-                positions=tree.width, leaf_used=(seq.leaf is not None) if tree.m else None,
+                positions=tree.width, leaf_used=(seq.leaf is not None) if tree.leaves else None,
             )
             stats.draft_time_s += t1 - t0
             stats.verify_time_s += t2 - t1

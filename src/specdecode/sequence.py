@@ -165,11 +165,11 @@ class Sequence:
             self.stats.plain_steps += 1
         return draft
 
-    def judge(self, draft: Draft, logits: torch.Tensor, leaf_logits: torch.Tensor | None = None) -> int:
+    def judge(self, draft: Draft, logits: torch.Tensor, leaf_logits: dict | None = None) -> int:
         """Accept a prefix of the draft from the target's logits [1, n+1, V] at [last] + draft; commit it
         and the target's own next token. Returns how many draft tokens were accepted.
 
-        leaf_logits [1, n, m, V]: the target's logits after each of draft.alternatives (tree.py). When the
+        leaf_logits {(position, rank): [1, V]}: the target's logits after each leaf (tree.py). When the
         target's own token at the first rejection is one of them, the target's next token after it is known
         too and is committed as well; `self.leaf` then says which leaf ((position, rank), else None)."""
         if self.sampling.greedy:
@@ -184,7 +184,7 @@ class Sequence:
             runners_up = draft.alternatives[0, accepted].tolist()
             if correction in runners_up:
                 self.leaf = (accepted, runners_up.index(correction))
-                after = leaf_logits[:, accepted, self.leaf[1]]  # [1, V]: the target's logits after the correction
+                after = leaf_logits[self.leaf]  # [1, V]: the target's logits after the correction
                 self.new.append(int(after.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(after, self.sampling), self.generator)))
                 self.stats.leaf_tokens += 1
         self.ids = torch.cat([self.ids, torch.tensor([self.new])], dim=1)

@@ -5,7 +5,8 @@ choice. A leaf holding that choice, scored in the same pass, gives the target's 
 correction for free: one more token on such steps. On a CPU a pass is about as slow for 17 positions as for 1
 (the weights are read once either way), so the leaves cost little.
 
-Layout of the pass over a cache holding `past` positions, for a chain d_0..d_{n-1} with m alternatives each:
+Layout of the pass over a cache holding `past` positions, for a chain d_0..d_{n-1} with up to m alternatives
+each (the drafter leaves out runner-ups too unlikely to pay for their position):
 
     input:    [last] d_0 .. d_{n-1} | a_{0,0} .. a_{0,m-1} | a_{1,0} .. | ... | a_{n-1,m-1}
     position:  P     P+1 .. P+n     | P+1 (each)           | P+2        | ... | P+n
@@ -22,28 +23,26 @@ import torch
 
 class TreeLayout:
     def __init__(self, last: torch.Tensor, chain: torch.Tensor, alternatives: torch.Tensor | None):
-        """last [1, 1], chain [1, n], alternatives [1, n, m] (or None: a plain chain)."""
+        """last [1, 1], chain [1, n], alternatives [1, n, m] (-1: no leaf there; None: a plain chain)."""
         self.n = chain.shape[1]
-        self.m = 0 if alternatives is None or self.n == 0 else alternatives.shape[2]
-        parts = [last, chain]
-        if self.m:
-            parts.append(alternatives[:, : self.n].reshape(1, self.n * self.m))
-        self.tokens = torch.cat(parts, dim=1)  # [1, W]
+        alternatives = alternatives[0, : self.n] if alternatives is not None and self.n else torch.empty(0, 0, dtype=torch.long)
+        self.leaves = [(j, r) for j, r in (alternatives >= 0).nonzero().tolist()]  # (position, rank), in input order
+        self._index = {leaf: 1 + self.n + i for i, leaf in enumerate(self.leaves)}
+        leaf_tokens = torch.tensor([[int(alternatives[j, r]) for j, r in self.leaves]], dtype=torch.long)
+        self.tokens = torch.cat([last, chain, leaf_tokens.view(1, -1)], dim=1)  # [1, W]
 
     @property
     def width(self) -> int:
-        return 1 + self.n * (1 + self.m)
+        return 1 + self.n + len(self.leaves)
 
     def leaf_index(self, position: int, rank: int) -> int:
-        """Where leaf `rank` at chain position `position` sits in the pass's input."""
-        return 1 + self.n + position * self.m + rank
+        """Where the leaf of rank `rank` at chain position `position` sits in the pass's input."""
+        return self._index[(position, rank)]
 
     @property
     def offsets(self) -> torch.Tensor:
         """[W]: each input's position after [last]'s (a leaf stands in its chain token's slot)."""
-        slot = torch.arange(self.width)
-        slot[1 + self.n :] = 1 + torch.arange(self.n).repeat_interleave(self.m)
-        return slot
+        return torch.tensor([*range(1 + self.n), *(1 + j for j, _ in self.leaves)], dtype=torch.long)
 
     @property
     def visibility(self) -> torch.Tensor:
@@ -57,17 +56,17 @@ class TreeLayout:
     def model_inputs(self, past: int, dtype: torch.dtype) -> dict:
         """position_ids and a 4D additive attention mask for a pass over a cache of `past` positions ({} for a
         plain chain: the model's own causal mask is the same)."""
-        if not self.m:
+        if not self.leaves:
             return {}
         allowed = torch.cat([torch.ones(self.width, past, dtype=torch.bool), self.visibility], dim=1)
         return dict(position_ids=(past + self.offsets)[None, :], attention_mask=additive_mask(allowed[None, None], dtype))
 
-    def split_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[1, W, V] -> the chain's [1, n+1, V] and the leaves' [1, n, m, V] (None for a plain chain)."""
+    def split_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor] | None]:
+        """[1, W, V] -> the chain's [1, n+1, V] and each leaf's [1, V] by (position, rank) (None: no leaves)."""
         chain = logits[:, : 1 + self.n]
-        if not self.m:
+        if not self.leaves:
             return chain, None
-        return chain, logits[:, 1 + self.n :].reshape(1, self.n, self.m, -1)
+        return chain, {leaf: logits[:, self._index[leaf]] for leaf in self.leaves}
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

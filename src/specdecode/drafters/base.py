@@ -21,8 +21,8 @@ class Draft:
     # Of the time proposing took, the seconds spent reading committed tokens the drafter had not seen (after
     # plain or lookup steps): a one-off catch-up, not what drafting costs per token.
     reading_s: float = 0.0
-    # [B, n, m]: at each position, m other likely tokens the target may correct to (leaves verified with the
-    # chain in one pass, see tree.py); None: none offered
+    # [B, n, m]: at each position, up to m other likely tokens the target may correct to (leaves verified with
+    # the chain in one pass, see tree.py; -1: no leaf there); None: none offered
     alternatives: torch.Tensor | None = None
 
     @property
