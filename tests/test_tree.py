@@ -181,3 +181,26 @@ def test_the_drafter_leaves_out_runner_ups_unlikely_to_pay():
     assert alternatives(second * 0.99)[0, 0, 0] >= 0 and alternatives(second * 1.01)[0, 0, 0] == -1
     some = alternatives(second * 0.99)
     assert TreeLayout(prompt[:, -1:], torch.zeros(1, 4, dtype=torch.long), some).width == 1 + 4 + int((some >= 0).sum())
+
+
+def test_a_wide_pass_measured_on_a_long_prompt_does_not_cap_drafts_on_a_short_one():
+    """A long prompt's passes cost ~2x a short one's. Widths 7 and 10 are measured on a long prompt, then only 7 on
+    a short one: keyed by width alone, 10 keeps its long-context cost and a third token looks 0.23 s dear. The
+    pass line learns the slope from passes of one context and the level from the latest ones: drafting goes on."""
+    def replay(ctl: AdaptiveK) -> int:
+        ctl.leaves = 2
+        for width, seconds in [(7, 0.44), (10, 0.45)] * 10:  # long prompt: 2 or 3 drafted tokens, 2 leaves each
+            ctl.observe("model", [0.95] * 3, drafted=(width - 1) // 3, accepted=(width - 1) // 3, draft_s=0.04 * (width - 1) // 3,
+                        verify_s=seconds, positions=width, leaf_used=False)
+        ctl.pass_line.new_context()
+        for _ in range(10):  # short prompt: the controller drafted 2 each time
+            ctl.observe("model", [0.95] * 2, drafted=2, accepted=2, draft_s=0.08, verify_s=0.22, positions=7, leaf_used=False)
+        drafted = 1 if ctl.plan(100) else 0
+        while drafted and drafted < 8 and ctl.keep_going(drafted, 0.95):
+            drafted += 1
+        return drafted
+
+    assert replay(AdaptiveK(max_k=8)) >= 5
+    table_only = AdaptiveK(max_k=8)
+    table_only.pass_line.time = lambda positions: None  # the width-keyed table alone (the old model)
+    assert replay(table_only) <= 2

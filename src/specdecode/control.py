@@ -108,6 +108,37 @@ class CostModel:
         return t1 + max(slope, self.UNMEASURED_GROWTH * t1 / n1) * (positions - n1)
 
 
+class PassCostLine:
+    """One sequence's verify pass as level + slope x positions. The level follows the current context (a pass
+    over 700 cached tokens costs ~2x one over 100 here); the slope, which is what deciding one more drafted token
+    reads, is learned only from consecutive passes (same context, same machine load) of clearly different widths.
+    A table keyed by width alone remembered each width at whatever context it was last measured in."""
+
+    MIN_WIDTH_GAP = 3  # closer widths: their time difference is mostly noise
+    MAX_SLOPE = 0.05  # s per position: a sample beyond it is a hiccup, not a cost
+
+    def __init__(self, alpha_level: float = 0.3, alpha_slope: float = 0.1):
+        self.level, self.slope = Ema(alpha_level), Ema(alpha_slope)
+        self._last: tuple[int, float] | None = None
+
+    def observe(self, positions: int, seconds: float) -> None:
+        if self._last is not None and abs(positions - self._last[0]) >= self.MIN_WIDTH_GAP:
+            sample = (seconds - self._last[1]) / (positions - self._last[0])
+            self.slope.update(min(max(sample, 0.0), self.MAX_SLOPE))
+        self._last = (positions, seconds)
+        if self.slope.value is not None:
+            self.level.update(seconds - self.slope.value * positions)
+
+    def new_context(self) -> None:
+        """A new request: its passes are not comparable with the last one's."""
+        self._last = None
+
+    def time(self, positions: int) -> float | None:
+        if self.level.value is None:
+            return None
+        return self.level.value + self.slope.value * positions
+
+
 class FixedK:
     """Always draft k tokens (the classic setting)."""
 
@@ -161,6 +192,7 @@ class AdaptiveK:
         self.leaves = 0
         self.leaf_hit = Ema(0.1, 0.3)
         self.leaves_per_token = Ema(0.2)  # leaves a drafted token actually carried (the drafter leaves out unlikely ones)
+        self.pass_line = PassCostLine()  # one sequence's verify cost by width (the table serves batches)
         self.batch_cap: int | None = None  # the batch's draft cap this step (None: single-sequence rule)
         self.batch_plain_steps = 0
         self._probe_rows: int | None = None  # during a batch probe: how many more rows may draft
@@ -168,7 +200,9 @@ class AdaptiveK:
 
     def _verify(self, positions: int) -> float:
         """This row's share of a verify pass where every row scores `positions` positions."""
-        t = self.costs.verify_time(positions, self.rows)
+        t = self.pass_line.time(positions) if self.rows == 1 else None
+        if t is None:
+            t = self.costs.verify_time(positions, self.rows)
         return t / self.rows if t is not None else 0.0
 
     def _leaf_hit(self) -> float:
@@ -327,6 +361,7 @@ class AdaptiveK:
         """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves);
         `leaf_used`: whether a leaf held the correction (None: the draft had no leaves)."""
         self.observe_pass(positions or drafted + 1, 1, verify_s)
+        self.pass_line.observe(positions or drafted + 1, verify_s)
         if leaf_used is not None and drafted and positions:
             self.leaves_per_token.update((positions - 1 - drafted) / drafted)
         self.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used)

@@ -94,6 +94,7 @@ class SpeculativeEngine:
         controller = self.controller or FixedK(seq.k)
         if self.controller is not None:
             self.controller.leaves = getattr(seq.drafter, "alternatives", 0)
+            self.controller.pass_line.new_context()
         stats = seq.stats
         cache = DynamicCache(config=self.target.config)
         seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1])
