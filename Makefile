@@ -34,7 +34,7 @@ test-slow: setup
 ## The reference benchmark on the Qwen pair (bf16, 3 prompts per task, 128 new tokens; about 24 minutes on 2 cores).
 ## The earlier, longer method list (classic bf16 draft, int8, n-gram only, hf-greedy) is in docs/bench/qwen-bf16/report.md.
 BENCH_METHODS ?= plain,hf-assisted,hf-pld,spec:auto
-BENCH_OUT ?= docs/bench/qwen-bf16-leaves
+BENCH_OUT ?= docs/bench/qwen-bf16-leaves-line
 bench: setup
 	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(BIN)/specdecode bench --dtype bf16 --threads $(THREADS) --per-task 3 --max-new-tokens 128 \
