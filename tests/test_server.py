@@ -12,44 +12,9 @@ import pytest
 import uvicorn
 
 from specdecode import ModelDrafter, SpecDecoder
-from specdecode.server import Service, create_app
+from specdecode.server import Service
+from serving import MODEL, RunningServer, free_port, metric
 from tiny import tiny_tokenizer
-
-MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    def __init__(self, service: Service):
-        self.service = service
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    def client(self, **kwargs):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kwargs)
-
-    def async_client(self):
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +42,6 @@ def solo(target, near_draft, tokenizer):
 
 def prompt_of(i: int) -> str:
     return " ".join(f"w{2 + (i * 7 + j * 13) % 90}" for j in range(3 + i % 5))
-
-
-def metric(server, name: str, labels: str = "") -> float:
-    text = httpx.get(server.url + "/metrics").text
-    pattern = re.escape(name) + (re.escape("{" + labels + "}") if labels else "") + r" ([0-9.e+-]+)"
-    found = re.search(r"^" + pattern + "$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def test_models_and_health(server):
@@ -209,7 +167,7 @@ def test_metrics_counters_move(server):
     assert after["specdecode_generation_tokens_total"] - before["specdecode_generation_tokens_total"] == out.usage.completion_tokens
     assert after["specdecode_prompt_tokens_total"] - before["specdecode_prompt_tokens_total"] == out.usage.prompt_tokens
     assert after["specdecode_draft_tokens_total"] > before["specdecode_draft_tokens_total"]
-    assert after["specdecode_accepted_tokens_total"] >= before["specdecode_accepted_tokens_total"]
+    assert after["specdecode_accepted_tokens_total"] > before["specdecode_accepted_tokens_total"]  # the near draft is right often
     assert after["specdecode_admit_seconds_count"] - before["specdecode_admit_seconds_count"] == 1  # one prefill, in one step
     assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="200"') == ok_before + 1
     assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="400"') == bad_before + 1

@@ -8,7 +8,7 @@ import torch
 
 from .drafters import ModelDrafter, NgramDrafter
 from .engine import SpeculativeEngine
-from .pipeline import eos_token_ids
+from .encoding import eos_token_ids
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stopping import StopCondition

@@ -119,12 +119,14 @@ class BatchEngine:
         sampling: SamplingParams = SamplingParams(),
         stop: StopCondition | None = None,
         speculate: bool = True,
+        logprobs: int | None = None,
     ) -> Sequence:
         """Queue a request; it joins the batch at the next step with room. Raises ValueError on bad input."""
         k = self.k if k is None else k
         validate_request(input_ids, max_new_tokens, k, self.context_window)
         drafter = self.drafter.spawn() if speculate and self.drafter is not None else None
-        seq = Sequence(input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop, drafter=drafter)
+        seq = Sequence(input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop, drafter=drafter,
+                       logprobs=logprobs)
         with self._lock:
             self._pending.append(seq)
         return seq

@@ -282,7 +282,7 @@ def cmd_serve(args) -> int:
     )
     print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
           f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
-    uvicorn.run(create_app(service), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(create_app(service, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 
@@ -455,6 +455,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
     s.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get HTTP 429")
     s.add_argument("--default-max-tokens", type=int, default=256, help="chat requests without max_tokens")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get HTTP 413 before they are read (default 8 MiB)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target spec)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve, **(config or {}))

@@ -80,13 +80,14 @@ class SpeculativeEngine:
         sampling: SamplingParams = SamplingParams(),
         stop: StopCondition | None = None,
         speculate: bool = True,
+        logprobs: int | None = None,
     ) -> Generation:
         """Start generating after input_ids [1, L]; iterate the Generation for token chunks."""
         k = self.k if k is None else k
         validate_request(input_ids, max_new_tokens, k, self.context_window)
         seq = Sequence(
             input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop,
-            drafter=self.drafter if speculate else None,
+            drafter=self.drafter if speculate else None, logprobs=logprobs,
         )
         return Generation(self._steps(seq), seq.result)
 

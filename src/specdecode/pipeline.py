@@ -11,21 +11,13 @@ import torch
 
 from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
 from .drafters.quant import int4_available
+from .encoding import encode_prompt, eos_token_ids
 from .engine import Generation, SpeculativeEngine
 from .sequence import GenerationResult
 from .models import DEFAULT_DRAFT, load_model
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stopping import StopCondition
-
-
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    """Every token that ends a turn: the generation config's EOS ids and the tokenizer's."""
-    ids = set()
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    ids.add(getattr(tokenizer, "eos_token_id", None))
-    return frozenset(i for i in ids if i is not None)
 
 
 DEFAULT_K = 5  # fixed draft length
@@ -106,6 +98,19 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if auto else drafter
 
 
+def load_components(target: str, draft: str | None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
+                    threads: int | None = None, compile_draft: bool = False):
+    """(target model, tokenizer, drafter, k, adaptive) from specs; adaptive=None: on for the 'auto' drafter, off
+    otherwise; k=None: 5 fixed, at most 8 adaptive."""
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(target, dtype=dtype)
+    adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
+    k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
+    drafter = make_drafter(draft, dtype=dtype, tokenizer=tokenizer, target=model, compile_draft=compile_draft)
+    return model, tokenizer, drafter, k, adaptive
+
+
 @dataclass
 class Completion:
     text: str
@@ -179,12 +184,8 @@ class SpecDecoder:
     ):
         """adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive;
         compile_draft: `auto` compiles its draft model's step (see `make_drafter`)."""
-        if threads:
-            torch.set_num_threads(threads)
-        model, tokenizer = load_model(target, dtype=dtype)
-        adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
-        k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
-        drafter = make_drafter(draft, dtype=dtype, tokenizer=tokenizer, target=model, compile_draft=compile_draft)
+        model, tokenizer, drafter, k, adaptive = load_components(
+            target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft)
         return cls(model, tokenizer, drafter, k=k, adaptive=adaptive)
 
     @property
@@ -193,20 +194,7 @@ class SpecDecoder:
 
     def encode(self, prompt: str | list[dict], chat: bool = False) -> torch.Tensor:
         """A prompt string (or chat messages) -> input_ids [1, L]; chat applies the model's template."""
-        if isinstance(prompt, list) or chat:
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            if not messages or not all((m.get("content") or "").strip() for m in messages):
-                raise ValueError("the prompt is empty: give at least one message with content")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-        else:
-            if not prompt:
-                raise ValueError("the prompt is empty: give some text")
-            ids = self.tokenizer(prompt)["input_ids"]
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
-        return torch.tensor([ids], dtype=torch.long)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def stream(
         self,

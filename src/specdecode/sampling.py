@@ -1,19 +1,25 @@
 """Logits -> processed probabilities, and seeded sampling.
 
-Speculative sampling is lossless only when the draft's q and the target's p are processed the same
-way (temperature, then top-k, then top-p), so both go through `logits_to_probs`.
+Speculative sampling is lossless when q is the distribution the draft really sampled its token from (the
+target's p is processed as the user asked; q may be anything that covers the draft's choice). Both go through
+`logits_to_probs` with the same parameters because a q close to p is accepted more often, not for correctness.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+# As vLLM's sampling epsilon: logits of ~1e2 over 1e-5 stay far inside fp32's range.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean no truncation."""
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean no truncation. A temperature below
+    GREEDY_BELOW is greedy too: dividing logits by it would overflow to inf, and its limit is the argmax."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -21,7 +27,7 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -30,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         gen = torch.Generator(device=device)

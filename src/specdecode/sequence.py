@@ -21,8 +21,19 @@ from .verify import greedy_accept, speculative_accept
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the target's distribution it was chosen from (greedy: the raw
+    softmax; sampling: after temperature, top-k and top-p), with the `top` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationResult:
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked for
     finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled" or "error"
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: str | None = None  # what went wrong, when finish_reason is "error"
@@ -59,7 +70,10 @@ class Sequence:
         sampling: SamplingParams = SamplingParams(),
         stop: StopCondition | None = None,
         drafter: Drafter | None = None,
+        logprobs: int | None = None,
     ):
+        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
+            raise ValueError(f"logprobs (how many top tokens to list) must be an integer >= 0, got {logprobs!r}")
         self.prompt = input_ids.cpu()
         self.max_new_tokens, self.k, self.sampling = max_new_tokens, k, sampling
         self.stop = stop or StopCondition()
@@ -69,6 +83,10 @@ class Sequence:
         self.result.stats.prompt_tokens = self.prompt.shape[1]
         self.ids = self.prompt  # committed tokens [1, n]
         self.new: list[int] = []  # committed by the last step, not yet emitted
+        self.top_logprobs = logprobs  # None: no log-probabilities kept
+        self.new_logprobs: list[TokenLogprob] = []  # of self.new
+        if logprobs is not None:
+            self.result.logprobs = []
         self.drafter_ready = False  # the drafter has read the prompt
         self.step_prefill_s = 0.0  # of the last propose, the drafter's (deferred) prompt reading
         self.cancelled = False
@@ -91,6 +109,7 @@ class Sequence:
         first = logits.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(logits, self.sampling), self.generator)
         self.ids = torch.cat([self.prompt, first[:, None].cpu()], dim=1)
         self.new = [int(first)]
+        self.new_logprobs = self._logprobs(logits, self.new)
         self.stats.time_to_first_token_s = time.perf_counter() - self.started
         self.drafter_ready = False
         if self.drafter is not None:
@@ -112,14 +131,19 @@ class Sequence:
         generated = self.result.token_ids
         start = len(generated)
         generated.extend(self.new)
-        self.new = []
+        if self.result.logprobs is not None:
+            self.result.logprobs.extend(self.new_logprobs)
+        self.new, self.new_logprobs = [], []
         keep = self.stop.first_stop(generated, start)
+        if keep is None and len(generated) >= self.max_new_tokens:
+            keep = self.max_new_tokens
+            self.result.finish_reason = "length"
+        elif keep is not None:
+            self.result.finish_reason = "stop"
         if keep is not None:
             del generated[keep:]
-            self.result.finish_reason = "stop"
-        elif len(generated) >= self.max_new_tokens:
-            del generated[self.max_new_tokens :]
-            self.result.finish_reason = "length"
+            if self.result.logprobs is not None:
+                del self.result.logprobs[keep:]
         self.stats.new_tokens = len(generated)
         self.stats.total_time_s = time.perf_counter() - self.started
         return generated[start:]
@@ -165,6 +189,23 @@ class Sequence:
             self.stats.plain_steps += 1
         return draft
 
+    def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
+        """The target's log-probabilities of `tokens` from their logits [n, V] (nothing when not asked for)."""
+        if self.top_logprobs is None:
+            return []
+        if self.sampling.greedy:
+            dist = torch.log_softmax(logits.float(), -1)
+        else:
+            dist = torch.log(logits_to_probs(logits, self.sampling))  # -inf outside top-k / top-p
+        chosen = dist.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        if not self.top_logprobs:
+            return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
+        values, ids = dist.topk(min(self.top_logprobs, dist.shape[-1]), dim=-1)
+        return [
+            TokenLogprob(t, lp, [(i, v) for i, v in zip(row_ids, row_values) if v != float("-inf")])
+            for t, lp, row_ids, row_values in zip(tokens, chosen, ids.tolist(), values.tolist())
+        ]
+
     def judge(self, draft: Draft, logits: torch.Tensor, leaf_logits: dict | None = None) -> int:
         """Accept a prefix of the draft from the target's logits [1, n+1, V] at [last] + draft; commit it
         and the target's own next token. Returns how many draft tokens were accepted.
@@ -179,6 +220,7 @@ class Sequence:
             accepted_len, next_token = speculative_accept(draft.tokens, draft.probs, target_probs, self.generator)
         accepted, correction = int(accepted_len[0]), int(next_token[0])
         self.new = draft.tokens[0, :accepted].tolist() + [correction]
+        self.new_logprobs = self._logprobs(logits[0, : accepted + 1], self.new)
         self.leaf = None
         if leaf_logits is not None and accepted < draft.length:
             runners_up = draft.alternatives[0, accepted].tolist()
@@ -186,6 +228,7 @@ class Sequence:
                 self.leaf = (accepted, runners_up.index(correction))
                 after = leaf_logits[self.leaf]  # [1, V]: the target's logits after the correction
                 self.new.append(int(after.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(after, self.sampling), self.generator)))
+                self.new_logprobs += self._logprobs(after, self.new[-1:])
                 self.stats.leaf_tokens += 1
         self.ids = torch.cat([self.ids, torch.tensor([self.new])], dim=1)
         if self.drafter is not None:

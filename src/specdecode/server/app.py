@@ -1,82 +1,118 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions (plain and SSE streaming),
-/v1/models, /health, /metrics."""
+/v1/models, /health, /metrics.
+
+Every answer but a 200 has the OpenAI error shape and is counted in /metrics by its status (499: the client
+went away before the answer was complete; its row is freed then, streaming or not).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
-from ..sampling import SamplingParams
+from .protocol import ApiError, ChatRequest, CompletionRequest, SamplingFields
 from .service import Handle, QueueFull, Service, Unavailable
 
+log = logging.getLogger("specdecode.server")
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        self.status, self.message, self.param = status, message, param
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5 MB of text: 8 MiB leaves room for any real one
+DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")  # fields of the OpenAI API this server ignores are accepted
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # not OpenAI; as in vLLM
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = Field(1, ge=1, le=1)
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,  # the OpenAI default
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            seed=self.seed,
-        )
-
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+class Guard:
+    """ASGI middleware around every route: a body over `max_body_bytes` gets a 413 before it is read (declared
+    length) or as soon as it passes the limit (chunked); an exception that escapes the routes becomes a logged
+    500 in the OpenAI shape (the connection stays usable); each /v1 answer is counted by its final status."""
+
+    def __init__(self, app, service: Service, max_body_bytes: int):
+        self.app, self.service, self.max_body_bytes = app, service, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def tracked_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        async def answer(code: int, message: str) -> None:
+            body = json.dumps(error_body(code, message)).encode()
+            await tracked_send({"type": "http.response.start", "status": code,
+                                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await tracked_send({"type": "http.response.body", "body": body})
+
+        try:
+            too_big = f"the request body is larger than this server's limit of {self.max_body_bytes} bytes (--max-body-bytes)"
+            declared = dict(scope["headers"]).get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+                return await answer(413, too_big)
+            if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._buffered(receive)
+                if receive is None:
+                    return await answer(413, too_big)
+            await self.app(scope, receive, tracked_send)
+        except Exception as error:  # noqa: BLE001 - a bug in one request must not take its connection down
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if status is None:
+                await answer(500, f"internal server error ({type(error).__name__}); the server log has the details")
+            status = status or 500
+        finally:
+            if scope["path"].startswith("/v1/"):
+                cancelled = scope.get("state", {}).get("cancelled", False)
+                self.service.metrics.requests.labels(scope["path"], "499" if cancelled else str(status or 500)).inc()
+
+    async def _buffered(self, receive):
+        """Read a body of undeclared length up to the limit; a receive that replays it (None: over the limit)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        return replayed
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+def create_app(service: Service, max_body_bytes: int | None = None) -> FastAPI:
+    """The app over a service; max_body_bytes None: DEFAULT_MAX_BODY_BYTES."""
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
-
-
-class ChatRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, gt=0)
-
-
-def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
         service.start()
@@ -84,28 +120,33 @@ def create_app(service: Service) -> FastAPI:
         service.stop()
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
+    app.add_middleware(Guard, service=service, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        problems = []
+        problems, param = [], None
         for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            where = ".".join(loc)
+            param = param or (loc[0] if loc else None)
             if err.get("type") == "json_invalid":
                 problems.append(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            elif err.get("type") == "extra_forbidden":
+                problems.append(f"{where}: unknown field (this server does not support it)")
             else:
                 problems.append(f"{where or 'body'}: {err.get('msg')}")
-        return _error(400, "; ".join(problems) or "invalid request")
+        return _error(400, "; ".join(problems) or "invalid request", param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:  # not UTF-8, nested too deep, ...
+            message = "the body could not be parsed as JSON (it must be UTF-8 JSON of reasonable nesting depth)"
+        return _error(exc.status_code, message)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return _error(exc.status, exc.message, exc.param)
-
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            service.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     async def health():
@@ -124,6 +165,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        body.refuse_unsupported()
         prompt = body.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1:
@@ -131,52 +173,57 @@ def create_app(service: Service) -> FastAPI:
             prompt = prompt[0]
         if not prompt:
             raise ApiError(400, "prompt: the prompt is empty", "prompt")
-        handle, input_ids = _submit(service, body, prompt, body.max_tokens or 16)
-        return await _respond(request, service, handle, body, input_ids.shape[1], chat=False)
+        handle, prompt_tokens = await _submit(service, body, prompt, body.max_tokens or 16)
+        return await _respond(request, service, handle, body, prompt_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        body.refuse_unsupported()
         if not body.messages:
             raise ApiError(400, "messages: give at least one message", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        handle, input_ids = _submit(service, body, messages, body.max_completion_tokens or body.max_tokens)
-        return await _respond(request, service, handle, body, input_ids.shape[1], chat=True)
+        messages = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)]
+        handle, prompt_tokens = await _submit(service, body, messages, body.max_completion_tokens or body.max_tokens)
+        return await _respond(request, service, handle, body, prompt_tokens, chat=True)
 
     return app
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
-
-
-def _submit(service: Service, body: SamplingFields, prompt, max_tokens: int | None):
+async def _submit(service: Service, body: SamplingFields, prompt, max_tokens: int | None) -> tuple[Handle, int]:
     if body.model and body.model != service.model_name:
         raise ApiError(400, f"model: unknown model {body.model!r}; this server serves {service.model_name!r}", "model")
     try:
-        input_ids = service.encode(prompt)
+        sampling = body.sampling()
+        # Off the event loop (the tokenizer releases the GIL): /health and other requests go on meanwhile.
+        input_ids = await asyncio.to_thread(service.encode, prompt)
         if max_tokens is None:  # chat without a limit: the server default, within the context window
             room = (service.context_window or 1 << 30) - input_ids.shape[1]
             max_tokens = max(1, min(service.default_max_tokens, room))
-        handle = service.submit(input_ids, max_tokens=max_tokens, sampling=body.sampling(), stop=body.stop_strings())
+        handle = service.submit(input_ids, max_tokens=max_tokens, sampling=sampling, stop=body.stop_strings(),
+                                logprobs=body.top_logprobs_wanted())
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     except QueueFull as error:
         raise ApiError(429, str(error)) from None
     except Unavailable as error:
         raise ApiError(503, str(error)) from None
-    return handle, input_ids
+    return handle, input_ids.shape[1]
 
 
 async def _events(request: Request, service: Service, handle: Handle):
-    """The request's ("text" | "done" | "error", value) items; cancels the row if the client goes away."""
+    """The request's ("text", (piece, logprobs)) | ("done", reason) | ("error", message) items. The client is
+    checked every DISCONNECT_POLL_S even while text flows: if it went away, its row is cancelled."""
     finished = False
+    loop = asyncio.get_running_loop()
+    next_check = loop.time()
     try:
         while True:
-            try:
-                kind, value = await asyncio.wait_for(handle.queue.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+            if loop.time() >= next_check:
                 if await request.is_disconnected():
                     return
+                next_check = loop.time() + DISCONNECT_POLL_S
+            try:
+                kind, value = await asyncio.wait_for(handle.queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
                 continue
             yield kind, value
             if kind in ("done", "error"):
@@ -184,31 +231,33 @@ async def _events(request: Request, service: Service, handle: Handle):
                 return
     finally:
         if not finished:
+            request.state.cancelled = True  # counted as 499 (Guard)
             service.cancel(handle)
 
 
 async def _respond(request: Request, service: Service, handle: Handle, body: SamplingFields, prompt_tokens: int, chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    created = int(time.time())
-    head = {"id": rid, "created": created, "model": service.model_name}
+    head = {"id": rid, "created": int(time.time()), "model": service.model_name}
+    logprobs_of = LogprobFormat(service.tokenizer, chat) if body.top_logprobs_wanted() is not None else None
 
     def usage() -> dict:
         n = len(handle.seq.result.token_ids)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
-    def choice(text: str | None, finish: str | None, stream: bool) -> dict:
+    def choice(text: str | None, finish: str | None, entries, stream: bool) -> dict:
+        lp = logprobs_of(entries) if logprobs_of is not None and (entries or not stream) else None
         if not chat:
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         if stream:
-            return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish, "logprobs": lp}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
 
     if not body.stream:
         pieces, finish = [], None
         async with aclosing(_events(request, service, handle)) as events:  # closing it cancels an unfinished row
             async for kind, value in events:
                 if kind == "text":
-                    pieces.append(value)
+                    pieces.append(value[0])
                 elif kind == "error":
                     return _error(500, value)
                 else:
@@ -218,7 +267,7 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
         stats = handle.seq.stats
         return {
             **head, "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice("".join(pieces), finish, stream=False)], "usage": usage(),
+            "choices": [choice("".join(pieces), finish, handle.seq.result.logprobs, stream=False)], "usage": usage(),
             "speculation": {"drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
                             "target_passes": stats.target_passes, "plain_steps": stats.plain_steps},
         }
@@ -234,14 +283,42 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
         async with aclosing(_events(request, service, handle)) as events:  # a client that hangs up closes it
             async for kind, value in events:
                 if kind == "text":
-                    yield sse({"choices": [choice(value, None, stream=True)]})
+                    yield sse({"choices": [choice(value[0], None, value[1], stream=True)]})
                 elif kind == "error":
                     yield f"data: {json.dumps(error_body(500, value))}\n\n"
                     return
                 else:
-                    yield sse({"choices": [choice(None if chat else "", value, stream=True)]})
-                    if (body.stream_options or {}).get("include_usage"):
+                    yield sse({"choices": [choice(None if chat else "", value, None, stream=True)]})
+                    if body.stream_options is not None and body.stream_options.include_usage:
                         yield sse({"choices": [], "usage": usage()})
                     yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+class LogprobFormat:
+    """TokenLogprob entries -> the `logprobs` object of a choice, as OpenAI (and vLLM) shape it: chat
+    {"content": [{token, logprob, bytes, top_logprobs}]}, completions {tokens, token_logprobs, top_logprobs, text_offset}."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # completions: characters before the next token, across stream chunks
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def __call__(self, entries) -> dict:
+        entries = entries or []
+        if self.chat:
+            def one(token_id: int, logprob: float) -> dict:
+                text = self._token(token_id)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+            return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]}
+        tokens = [self._token(e.token) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token(t): v for t, v in e.top} for e in entries], "text_offset": offsets}

@@ -16,7 +16,8 @@ import torch
 
 from ..batch import BatchEngine
 from ..drafters.base import Drafter
-from ..pipeline import SpecDecoder, TextStream
+from ..encoding import encode_prompt, eos_token_ids
+from ..pipeline import TextStream, load_components
 from ..sampling import SamplingParams
 from ..sequence import Sequence
 from ..stopping import StopCondition
@@ -35,14 +36,16 @@ class Unavailable(Exception):
 
 @dataclass
 class Handle:
-    """One request as the HTTP side sees it. Queue items: ("text", piece), ("done", finish_reason), ("error", message)."""
+    """One request as the HTTP side sees it. Queue items: ("text", (piece, logprob entries of the tokens since the
+    last piece)), ("done", finish_reason), ("error", message)."""
 
     seq: Sequence
     stream: TextStream
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    logprobs_sent: int = 0  # entries of seq.result.logprobs already handed over
 
-    def put(self, kind: str, value: str) -> None:
+    def put(self, kind: str, value) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
         except RuntimeError:  # the request's event loop is gone
@@ -96,9 +99,8 @@ class Service:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.tokenizer, self.model_name = tokenizer, model_name
-        self.decoder = SpecDecoder(target, tokenizer, drafter, k=k, adaptive=adaptive)  # for encode() and EOS ids
         self.engine = BatchEngine(target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch)
-        self.eos = self.decoder.eos
+        self.eos = eos_token_ids(target, tokenizer)
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.speculation = "off" if drafter is None else ("load-aware" if adaptive else f"always (k={k})")
         self.metrics = Metrics()
@@ -113,11 +115,11 @@ class Service:
     def from_specs(cls, target: str, draft: str | None, *, dtype=None, threads: int | None = None,
                    k: int | None = None, adaptive: bool | None = None, compile_draft: bool = False, **kwargs) -> "Service":
         scheduler = SchedulerThread()  # loads the models: the thread that will step them (see SchedulerThread)
-        decoder = scheduler.submit(SpecDecoder.from_specs, target, draft, dtype=dtype, k=k, adaptive=adaptive,
-                                   threads=threads, compile_draft=compile_draft).result()
-        engine = decoder.engine
-        return cls(decoder.target, decoder.tokenizer, engine.drafter, model_name=kwargs.pop("model_name", None) or target,
-                   k=engine.k, adaptive=engine.controller is not None, scheduler=scheduler, **kwargs)
+        model, tokenizer, drafter, k, adaptive = scheduler.submit(
+            load_components, target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft,
+        ).result()
+        return cls(model, tokenizer, drafter, model_name=kwargs.pop("model_name", None) or target,
+                   k=k, adaptive=adaptive, scheduler=scheduler, **kwargs)
 
     @property
     def context_window(self) -> int | None:
@@ -144,9 +146,11 @@ class Service:
     # --- requests (called from the event loop) --------------------------------------------------
 
     def encode(self, prompt: str | list[dict]) -> torch.Tensor:
-        return self.decoder.encode(prompt, chat=isinstance(prompt, list))
+        """A completion prompt or chat messages -> input_ids [1, L] (safe to call from any thread)."""
+        return encode_prompt(self.tokenizer, prompt, chat=isinstance(prompt, list))
 
-    def submit(self, input_ids: torch.Tensor, *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...] = ()) -> Handle:
+    def submit(self, input_ids: torch.Tensor, *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...] = (),
+               logprobs: int | None = None) -> Handle:
         """Queue a request. ValueError: bad request; QueueFull / Unavailable: come back later."""
         if not self.alive:
             raise Unavailable("the server is not running (starting up, shutting down, or its scheduler failed)")
@@ -154,7 +158,8 @@ class Service:
             raise QueueFull(f"server busy: {self.engine.waiting} requests already waiting (max_queue={self.max_queue}); retry later")
         stop_condition = StopCondition(self.eos, tuple(stop), self.tokenizer)
         with self._lock:  # registered before the scheduler can see the sequence
-            seq = self.engine.submit(input_ids, max_new_tokens=max_tokens, sampling=sampling, stop=stop_condition)
+            seq = self.engine.submit(input_ids, max_new_tokens=max_tokens, sampling=sampling, stop=stop_condition,
+                                     logprobs=logprobs)
             handle = Handle(seq, TextStream(self.tokenizer, stop_condition, seq.result), asyncio.Queue(), asyncio.get_running_loop())
             self._handles[seq] = handle
         self.metrics.prompt_tokens.inc(input_ids.shape[1])
@@ -199,8 +204,10 @@ class Service:
             handle.put("error", f"generation failed: {seq.result.error or 'unknown error'}")
             return
         piece = handle.stream.piece()
-        if piece:
-            handle.put("text", piece)
+        logprobs = seq.result.logprobs or []
+        if piece or (seq.finished and handle.logprobs_sent < len(logprobs)):
+            handle.put("text", (piece, logprobs[handle.logprobs_sent :]))
+            handle.logprobs_sent = len(logprobs)
         if seq.finished:
             handle.put("done", seq.result.finish_reason)
 
