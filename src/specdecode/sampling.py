@@ -65,6 +65,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # Drop a token when the tokens before it already reach top_p; the first one always stays.
         cum_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = cum_before >= params.top_p
+        drop_sorted[..., 0] = False  # even when top_p rounds to 0 in fp32 (5e-324 did)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
