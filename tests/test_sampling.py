@@ -90,6 +90,11 @@ def test_deterministic_draft_rule_preserves_distribution():
 
 VOCAB = 16
 SAMPLES = 1500
+# The first token comes from the prefill, so the first step may draft k = 2 tokens (budget 4 - 1 - 1): generated
+# tokens 2 and 3 come from that step (accepted, or the correction at draft index 0 or 1), token 4 is its bonus
+# token when both were accepted.
+MAX_NEW_TOKENS, K = 4, 2
+CHECKED = (1, 2, 3)  # indices of the generated tokens whose marginals are compared
 
 
 @pytest.fixture(scope="module")
@@ -97,26 +102,49 @@ def small_vocab_pair():
     return tiny_model(11, vocab=VOCAB, sharpness=6.0), tiny_model(12, vocab=VOCAB, sharpness=6.0)
 
 
-def exact_marginals(model, prompt, params: SamplingParams):
-    """Exact distributions of generated tokens 2 and 3 under plain sampling, by enumeration."""
+def exact_marginals(model, prompt, params: SamplingParams) -> list[torch.Tensor]:
+    """Exact distributions of generated tokens 2, 3 and 4 under plain sampling, by enumeration."""
     with torch.no_grad():
-        p1 = logits_to_probs(model(prompt).logits[0, -1], params)  # [V]
-        seqs1 = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
-        p2_given = logits_to_probs(model(seqs1).logits[:, -1], params)  # [V(t1), V(t2)]
-        seqs2 = torch.cat([seqs1.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(VOCAB)[:, None]], 1)
-        p3_given = logits_to_probs(model(seqs2).logits[:, -1], params).view(VOCAB, VOCAB, VOCAB)
-    p12 = p1[:, None] * p2_given  # [t1, t2]
-    return p12.sum(0), (p12[..., None] * p3_given).sum((0, 1))
+        joint = logits_to_probs(model(prompt).logits[0, -1], params)  # [V]: token 1
+        seqs = torch.arange(VOCAB)[:, None]
+        marginals = []
+        for depth in range(len(CHECKED)):
+            full = torch.cat([prompt.expand(seqs.shape[0], -1), seqs], 1)
+            next_probs = logits_to_probs(model(full).logits[:, -1], params)  # [V^(depth+1), V]
+            joint = joint.reshape(-1)[:, None] * next_probs
+            marginals.append(joint.view(-1, VOCAB).sum(0))
+            seqs = torch.cat([seqs.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(seqs.shape[0])[:, None]], 1)
+    return marginals
 
 
-def sample_second_and_third(engine, prompt, params: SamplingParams, n: int):
-    second, third = [], []
+def check_results(generated: list[list[int]], target, prompt, params) -> list[tuple[float, float]]:
+    """(p-value, TVD) of each checked token position of many sampled generations against the exact marginal."""
+    exact = exact_marginals(target, prompt, params)
+    return [fit([tokens[i] for tokens in generated], p) for i, p in zip(CHECKED, exact)]
+
+
+def assert_lossless(results, lossless: bool = True) -> None:
+    if lossless:
+        assert all(pv > ALPHA for pv, _ in results), results
+    else:  # a negative control: the check must see the wrong rule
+        assert any(pv < ALPHA for pv, _ in results), results
+
+
+def assert_drafts_reached_the_second_position(stats_list) -> None:
+    """The check is only worth something if drafts were 2 long and rejections happened at draft index 1."""
+    drafted_second = sum(s.drafted_per_position[1] if len(s.drafted_per_position) > 1 else 0 for s in stats_list)
+    rejected_second = sum(s.accepted_len_histogram[1] if len(s.accepted_len_histogram) > 1 else 0 for s in stats_list)
+    assert drafted_second > len(stats_list) // 4 and rejected_second > len(stats_list) // 20, (drafted_second, rejected_second)
+
+
+def sample_generations(engine, prompt, params: SamplingParams, n: int) -> tuple[list[list[int]], list]:
+    generated, stats = [], []
     for i in range(n):
         sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=i)
-        tokens = engine.generate(prompt, max_new_tokens=3, sampling=sampling, k=2).result().token_ids
-        second.append(tokens[1])
-        third.append(tokens[2])
-    return second, third
+        result = engine.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, sampling=sampling, k=K).result()
+        generated.append(result.token_ids)
+        stats.append(result.stats)
+    return generated, stats
 
 
 SETTINGS = [
@@ -125,26 +153,22 @@ SETTINGS = [
     SamplingParams(temperature=1.0, top_p=0.9),
     SamplingParams(temperature=0.8, top_k=5),
 ]
+SETTING_IDS = lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}"  # noqa: E731
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}")
+@pytest.mark.parametrize("params", SETTINGS, ids=SETTING_IDS)
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, params):
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
-    engine = SpeculativeEngine(target, ModelDrafter(draft), k=2)
-    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
-    exact2, exact3 = exact_marginals(target, prompt, params)
-    results = [fit(second, exact2), fit(third, exact3)]
-    assert all(pv > ALPHA for pv, _ in results), results
+    generated, stats = sample_generations(SpeculativeEngine(target, ModelDrafter(draft), k=K), prompt, params, SAMPLES)
+    assert_drafts_reached_the_second_position(stats)
+    assert_lossless(check_results(generated, target, prompt, params))
 
 
-def test_distribution_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, monkeypatch):
+@pytest.mark.parametrize("params", [SETTINGS[0], SETTINGS[2], SETTINGS[3]], ids=SETTING_IDS)
+def test_distribution_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, monkeypatch, params):
     monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
-    engine = SpeculativeEngine(target, ModelDrafter(draft), k=2)
-    params = SETTINGS[0]
-    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
-    exact2, exact3 = exact_marginals(target, prompt, params)
-    results = [fit(second, exact2), fit(third, exact3)]
-    assert any(pv < ALPHA for pv, _ in results), results
+    generated, _ = sample_generations(SpeculativeEngine(target, ModelDrafter(draft), k=K), prompt, params, SAMPLES)
+    assert_lossless(check_results(generated, target, prompt, params), lossless=False)

@@ -130,6 +130,15 @@ def test_a_prompt_past_the_context_window_is_refused_before_any_model_work(serve
     assert metric(server, "specdecode_admit_seconds_count") == passes
 
 
+def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing_it(server, monkeypatch):
+    import specdecode.server.service as service_module
+
+    monkeypatch.setattr(service_module, "encode_prompt", lambda *a, **k: pytest.fail("tokenized a prompt that cannot fit"))
+    for path, body in (("/v1/completions", completion("w5 " * 2000)), ("/v1/chat/completions", chat("w5 " * 2000))):
+        error = error_of(post(server, path, body))  # 6,000 characters; no tiny token is over 4 characters long
+        assert "characters" in error["message"] and "context window" in error["message"]
+
+
 # 3. What used to be unhandled 500s
 
 @pytest.mark.parametrize("body, param", [
