@@ -4,7 +4,8 @@
 1. 64 concurrent clients, streaming and not; half of them hang up at a random point. Every client that stays
    must get its whole answer (0 lost), equal to the same request sent alone (greedy; a different answer that is
    another prompt's is "mixed up"), and every row must be free afterwards.
-2. Server RSS before and after 1,000 short requests, and after ten 5 MB bodies.
+2. Server RSS before and after 1,000 short requests, after ten 5 MB bodies (refused before tokenizing), and
+   after ten 1.2 MB ones (tokenized, then refused: past the context window).
 
     scripts/hostile-load.py [--target smollm2-135m] [--draft ngram] [--threads 2] [--out FILE.json]
 """
@@ -167,6 +168,15 @@ def main() -> int:
                                     timeout=300).status_code)
         report["five_mb_bodies_status"] = codes
         report["rss_mb_after_ten_5mb_bodies"] = rss_mb(process)
+        # bodies under the character bound: tokenized, then refused for the context window
+        tokenized = json.dumps(body("hello " * 200_000, 4, False)).encode()
+        report["tokenized_1mb_bodies_status"] = [
+            httpx.post(base + "/v1/completions", content=tokenized, headers={"content-type": "application/json"},
+                       timeout=300).status_code for _ in range(10)]
+        report["rss_mb_after_ten_tokenized_1mb_bodies"] = rss_mb(process)
+        metrics = httpx.get(base + "/metrics").text
+        report["metrics"] = {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.splitlines()
+                             if line.startswith(("specdecode_requests_total", "specdecode_finished_requests_total"))}
         report["health_after"] = httpx.get(base + "/health").json()
     finally:
         server.terminate()

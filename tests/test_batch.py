@@ -10,7 +10,11 @@ from specdecode.control import AdaptiveK
 from specdecode.drafters import ComboDrafter
 from specdecode.stopping import StopCondition
 from stats_check import fit
-from test_sampling import ALPHA, SETTINGS, VOCAB, exact_marginals, small_vocab_pair  # noqa: F401
+import specdecode.sequence as sequence_module
+from test_sampling import (  # noqa: F401
+    K, MAX_NEW_TOKENS, SAMPLES, SETTINGS, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results,
+    small_vocab_pair, wrong_rule_resample_from_p,
+)
 from tiny import random_prompt, reference_greedy
 
 # Prompt lengths differ (rows join by left-padding), budgets differ (rows leave at different steps).
@@ -189,7 +193,7 @@ def test_batched_sampling_matches_target_distribution(small_vocab_pair, params):
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
     engine = BatchEngine(target, ModelDrafter(draft), k=2, max_batch=32)
-    sample_many_and_compare(engine, target, prompt, params)
+    assert_drafts_reached_the_second_position(sample_many_and_compare(engine, target, prompt, params))
 
 
 @pytest.mark.parametrize("params", SETTINGS[:2], ids=lambda p: f"T{p.temperature}")
@@ -199,19 +203,24 @@ def test_batched_lookup_drafts_keep_sampling_lossless(small_vocab_pair, params, 
     monkeypatch.setattr(AdaptiveK, "plan_free", lambda self, rows, drafts: max(d.length for d in drafts))
     prompt = random_prompt(5, 6, vocab=VOCAB)
     engine = BatchEngine(target, NgramDrafter(max_ngram=2), k=2, adaptive=True, max_batch=32)
-    drafted = sample_many_and_compare(engine, target, prompt, params)
-    assert drafted > 0
+    stats = sample_many_and_compare(engine, target, prompt, params)
+    assert sum(s.drafted_tokens for s in stats) > 0
 
 
-def sample_many_and_compare(engine, target, prompt, params) -> int:
-    """1500 sampled rows of 3 tokens; generated positions 2 and 3 must follow the target's exact
-    marginals. Returns how many tokens were drafted."""
-    n = 1500
+def sample_many_and_compare(engine, target, prompt, params, lossless: bool = True) -> list:
+    """SAMPLES sampled rows side by side; generated tokens 2-4 must follow the target's exact marginals (or, for
+    a negative control, must not). Returns the rows' stats."""
     seqs = engine.generate_all([
-        dict(input_ids=prompt, max_new_tokens=3, sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=i))
-        for i in range(n)
+        dict(input_ids=prompt, max_new_tokens=MAX_NEW_TOKENS, k=K,
+             sampling=SamplingParams(params.temperature, params.top_k, params.top_p, seed=i))
+        for i in range(SAMPLES)
     ])
-    exact2, exact3 = exact_marginals(target, prompt, params)
-    results = [fit([s.result.token_ids[1] for s in seqs], exact2), fit([s.result.token_ids[2] for s in seqs], exact3)]
-    assert all(pv > ALPHA for pv, _ in results), results
-    return sum(s.stats.drafted_tokens for s in seqs)
+    assert_lossless(check_results([s.result.token_ids for s in seqs], target, prompt, params), lossless)
+    return [s.stats for s in seqs]
+
+
+def test_batched_sampling_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
+    target, draft = small_vocab_pair
+    engine = BatchEngine(target, ModelDrafter(draft), k=2, max_batch=32)
+    sample_many_and_compare(engine, target, random_prompt(5, 6, vocab=VOCAB), SETTINGS[0], lossless=False)

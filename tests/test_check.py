@@ -36,7 +36,8 @@ def test_check_reports_an_off_by_one_rollback_as_divergence(smol, monkeypatch):
     summary = summarize_greedy(check_greedy(smol, PROMPTS, max_new_tokens=24))
     assert summary["divergences"] >= 1, summary
     bad = [c for c in summary["cases"] if c["verdict"] == "DIVERGENCE"]
-    assert all(c["first_difference"] is not None and c["top2_gap"] >= 1e-3 for c in bad)
+    # the first token comes from the prefill, which a rollback cannot touch: a divergence starts after it
+    assert bad and all(1 <= c["first_difference"] <= c["new_tokens"] for c in bad), bad
 
 
 def test_two_sample_test_tells_equal_from_different_distributions():

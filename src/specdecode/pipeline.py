@@ -14,7 +14,7 @@ from .drafters.quant import int4_available
 from .encoding import encode_prompt, eos_token_ids
 from .engine import Generation, SpeculativeEngine
 from .sequence import GenerationResult
-from .models import DEFAULT_DRAFT, load_model
+from .models import DEFAULT_DRAFT, known_vocab_size, load_model
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stopping import StopCondition
@@ -80,12 +80,15 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     quant = options & {"int8", "int4"}
     if len(quant) > 1:
         raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
+    known = known_vocab_size(model_spec)
+    if target is not None and known is not None and known != target.config.vocab_size:
+        if spec == "auto":  # the built-in draft speaks another vocabulary: plain `auto` still has the n-gram drafter
+            print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with n-gram lookup "
+                  "only (name a draft model with auto:MODEL)", file=sys.stderr)
+            return NgramDrafter()
+        raise ValueError(f"draft model {model_spec!r} has a vocabulary of {known} tokens but the target has "
+                         f"{target.config.vocab_size}: draft and target must share one tokenizer")
     model, draft_tokenizer = load_model(model_spec, dtype=dtype)
-    if spec == "auto" and target is not None and model.config.vocab_size != target.config.vocab_size:
-        # The built-in draft speaks another vocabulary: plain `auto` still has the n-gram drafter.
-        print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with n-gram lookup only"
-              " (name a draft model with auto:MODEL)", file=sys.stderr)
-        return NgramDrafter()
     drafter = ModelDrafter(
         model,
         draft_tokenizer,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .bench.methods import build_methods, parse_spec_method
 from .bench.runner import BenchConfig, run_bench
-from .models import DEFAULT_DRAFT
+from .models import DEFAULT_DRAFT, ModelError
 from .pipeline import model_spec_of
 from .prompts import Prompt
 
@@ -50,6 +50,7 @@ class TuneResult:
     rows: list[dict] = field(default_factory=list)  # raw bench rows
     rounds: int = 0
     elapsed_s: float = 0.0
+    dropped: dict[str, str] = field(default_factory=dict)  # candidate -> why it could not run on this target
 
     @property
     def best(self) -> dict | None:
@@ -101,9 +102,21 @@ def tune(target, tokenizer, eos, prompts: list[Prompt], candidates: list[str], *
          encode, dtype=None, default_draft: str = "auto", progress=None, log=print) -> TuneResult:
     started = time.perf_counter()
     result = TuneResult()
-    methods = {m.name: m for m in build_methods(["plain", *candidates], target, tokenizer, eos,
-                                                default_draft=default_draft, default_k=None, dtype=dtype)}
-    alive = list(candidates)
+    methods, alive, drafters = {}, [], {}
+    for name in ["plain", *candidates]:
+        try:
+            (method,) = build_methods([name], target, tokenizer, eos, default_draft=default_draft, default_k=None, dtype=dtype,
+                                      drafters=drafters)
+        except (ValueError, ModelError) as error:  # e.g. a draft of another vocabulary: it cannot serve this target
+            if name == "plain":
+                raise
+            result.dropped[name] = str(error)
+            log(f"dropped candidate {name}: {error}")
+            continue
+        methods[name] = method
+        alive += [name] if name != "plain" else []
+    if not alive:
+        raise ValueError("no candidate can serve this target: " + "; ".join(f"{n}: {why}" for n, why in result.dropped.items()))
     run_s: dict[str, list[float]] = {}
     config = BenchConfig(max_new_tokens=max_new_tokens, warmup=True)
     for r, prompts_r in enumerate(rounds_of(prompts)):
@@ -188,7 +201,7 @@ def write_config(path: Path, result: TuneResult, *, target: str, dtype: str | No
         draft, k, adaptive = "none", k, False
     config = dict(
         target=target, draft=draft, k=k, adaptive=adaptive, dtype=dtype, threads=threads,
-        tuned=dict(method=best["method"], speedup_vs_plain=best["speedup_mean"], prompts=best["prompts"],
+        tuned=dict(method=best["method"], speedup_vs_plain=best["speedup_mean"], prompts=best["prompts"], dropped=result.dropped,
                    max_new_tokens=max_new_tokens, rounds=result.rounds, elapsed_s=round(result.elapsed_s, 1),
                    command=command, table=result.table),
         exports=exports(target, draft, k, adaptive),

@@ -123,10 +123,11 @@ def parse_spec_method(name: str, default_draft: str, default_k: int | None, defa
 
 
 def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int | None, dtype,
-                  default_adaptive: bool | None = None, compile_draft: bool = False) -> list[Method]:
-    """Parse method names; draft models are loaded once and shared between methods. compile_draft: `auto`
-    compiles its draft step (paid at load, not in any timing)."""
-    drafters: dict[str, Drafter | None] = {}
+                  default_adaptive: bool | None = None, compile_draft: bool = False,
+                  drafters: dict[str, Drafter | None] | None = None) -> list[Method]:
+    """Parse method names; draft models are loaded once and shared between methods (and between calls that
+    pass the same `drafters` dict). compile_draft: `auto` compiles its draft step (paid at load, not in any timing)."""
+    drafters = {} if drafters is None else drafters
 
     def drafter_for(spec: str) -> Drafter | None:
         if spec not in drafters:
