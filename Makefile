@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 THREADS ?= $(shell nproc)
 
-.PHONY: setup demo test test-slow bench bench-serve clean
+.PHONY: setup demo test test-slow fuzz bench bench-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: setup
 test-slow: setup
 	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(BIN)/python -m pytest -q -m slow
+
+## schemathesis against the server's OpenAPI schema, longer than the suite's run (no 500, no hang).
+fuzz: setup
+	SPECDECODE_FUZZ_EXAMPLES=300 $(BIN)/python -m pytest -q tests/test_server_fuzz.py
 
 ## The reference benchmark on the Qwen pair (bf16, 3 prompts per task, 128 new tokens; about 24 minutes on 2 cores).
 ## The earlier, longer method list (classic bf16 draft, int8, n-gram only, hf-greedy) is in docs/bench/qwen-bf16/report.md.
