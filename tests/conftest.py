@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import the tiny-model helpers as `tiny`
 
-from tiny import tiny_model  # noqa: E402
+from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -34,3 +34,9 @@ def near_draft(target):
         g = torch.Generator().manual_seed(7)
         model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=g) * 0.2 * model.lm_head.weight.std())
     return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny models' word-level tokenizer (token i is the word 'w{i}')."""
+    return tiny_tokenizer()

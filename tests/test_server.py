@@ -14,12 +14,6 @@ import uvicorn
 from specdecode import ModelDrafter, SpecDecoder
 from specdecode.server import Service
 from serving import MODEL, RunningServer, free_port, metric
-from tiny import tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,13 @@ from schemathesis import GenerationMode
 from serving import MODEL, RunningServer
 from specdecode import NgramDrafter
 from specdecode.server import Service
-from tiny import tiny_tokenizer
 
 EXAMPLES = int(os.environ.get("SPECDECODE_FUZZ_EXAMPLES", "40"))  # per operation and mode; `make fuzz` runs more
 
 
 @pytest.fixture(scope="module")
-def server(target):
-    service = Service(target, tiny_tokenizer(), NgramDrafter(), model_name=MODEL, k=4, max_batch=4, max_queue=256)
+def server(target, tokenizer):
+    service = Service(target, tokenizer, NgramDrafter(), model_name=MODEL, k=4, max_batch=4, max_queue=256)
     with RunningServer(service) as running:
         yield running
 

@@ -12,12 +12,7 @@ import torch
 from serving import MODEL, RunningServer, metric
 from specdecode import ModelDrafter, SpecDecoder
 from specdecode.server import Service
-from tiny import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
+from tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

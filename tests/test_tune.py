@@ -7,14 +7,8 @@ import pytest
 from specdecode.cli import build_parser, main
 from specdecode.prompts import Prompt
 from specdecode.tune import exports, read_config, rounds_of, tune, write_config
-from tiny import tiny_tokenizer
 
 CANDIDATES = ["spec:ngram:2", "spec:ngram:a6", "spec:self:1:3", "spec:self:1:a4"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
 
 
 def prompts(per_task: int):
