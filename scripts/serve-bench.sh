@@ -11,7 +11,7 @@ OUT=${1:-bench-out/serve}; shift || true
 ROUNDS=${1:-2}; shift || true
 SD=${SPECDECODE:-.venv/bin/specdecode}
 PORT=${PORT:-8301}
-COMMON=(--target qwen2.5-coder-1.5b --dtype bf16 --threads 2 --max-batch 8 --log-level warning)
+COMMON=(--target qwen2.5-coder-1.5b --backend "${BACKEND:-torch}" --dtype bf16 --threads 2 --max-batch 8 --log-level warning)
 declare -A MODES=([off]="--draft none" [always]="--draft auto --no-adaptive --k 5" [load-aware]="--draft auto --adaptive")
 PID=
 trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null || true' EXIT

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import specdecode.batch as batch_module
+from specdecode.backends.torchmodel import TorchBackend
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams
 from specdecode.batch import BatchEngine
 from specdecode.control import AdaptiveK
@@ -15,7 +15,7 @@ from test_sampling import (  # noqa: F401
     K, MAX_NEW_TOKENS, SAMPLES, SETTINGS, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results,
     small_vocab_pair, wrong_rule_resample_from_p,
 )
-from tiny import random_prompt, reference_greedy
+from tiny import keep_one_stale_entry, random_prompt, reference_greedy
 
 # Prompt lengths differ (rows join by left-padding), budgets differ (rows leave at different steps).
 REQUESTS = [(seed, 3 + (seed * 7) % 19, 8 + (seed * 5) % 17) for seed in range(9)]  # (seed, prompt len, new tokens)
@@ -46,7 +46,7 @@ def test_every_row_equals_its_solo_greedy_output(target, weak_draft, near_draft,
         assert seq.result.token_ids == references[seed], f"request {seed}, drafter {which}"
         assert seq.result.finish_reason == "length"
     assert max(r.rows for r in reports) == 4  # the batch really was a batch
-    assert engine.cache is None and not engine.rows  # everyone left
+    assert engine.backend.rows == 0 and not engine.rows  # everyone left
 
 
 @pytest.fixture
@@ -102,8 +102,8 @@ def test_compaction_only_when_it_frees_slots(target, near_draft, monkeypatch):
     """A short prompt's left padding beside a long one cannot be freed: gathering the cache for it every
     step was pure cost. Rejected draft slots can be freed, and are."""
     gathers = []
-    keep_slots = BatchEngine._keep_slots
-    monkeypatch.setattr(BatchEngine, "_keep_slots", lambda self, index: gathers.append(index.shape) or keep_slots(self, index))
+    keep_slots = TorchBackend._keep_slots
+    monkeypatch.setattr(TorchBackend, "_keep_slots", lambda self, index: gathers.append(index.shape) or keep_slots(self, index))
     plain = BatchEngine(target, None, max_batch=2, compact_above=0.0)
     run(plain, [(0, 3, 12), (1, 30, 12)])  # same budgets: nobody leaves early
     assert gathers == []
@@ -114,7 +114,7 @@ def test_compaction_only_when_it_frees_slots(target, near_draft, monkeypatch):
 
 def test_off_by_one_slot_is_caught(target, near_draft, references, monkeypatch):
     """Keeping one rejected slot live per row must break identity (so the test above can fail)."""
-    monkeypatch.setattr(batch_module, "live_slots", lambda accepted, keep: torch.arange(keep)[None, :] < (2 + torch.tensor(accepted))[:, None])
+    keep_one_stale_entry(monkeypatch)
     engine = BatchEngine(target, ModelDrafter(near_draft), k=4, max_batch=4)
     seqs, _ = run(engine)
     assert any(seq.result.token_ids != references[seed] for seq, (seed, _, _) in zip(seqs, REQUESTS))
@@ -224,3 +224,13 @@ def test_batched_sampling_check_fails_for_a_wrong_acceptance_rule(small_vocab_pa
     target, draft = small_vocab_pair
     engine = BatchEngine(target, ModelDrafter(draft), k=2, max_batch=32)
     sample_many_and_compare(engine, target, random_prompt(5, 6, vocab=VOCAB), SETTINGS[0], lossless=False)
+
+
+def test_a_row_alone_learns_the_pass_line(target):
+    """One step for every path: a lone request in the batched engine (the server at one request) feeds the cost
+    model exactly as `generate` does. The batched engine once never drew the pass line, so it ran an older rule."""
+    engine = BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4)
+    engine.controller.min_gain = 0.0  # keep drafting, so pass widths vary
+    engine.generate_all([dict(input_ids=random_prompt(0, 6).repeat(1, 4), max_new_tokens=40)])  # lookups find runs
+    line = engine.controller.pass_line
+    assert line.slope_samples and line.level.value is not None

@@ -2,9 +2,9 @@
 
 import pytest
 
-import specdecode.engine as engine_module
 import specdecode.sequence as sequence_module
 from specdecode import SpecDecoder
+from tiny import keep_one_stale_entry
 from specdecode.check import check_greedy, first_difference, summarize_greedy
 from specdecode.drafters import ModelDrafter, NgramDrafter
 from specdecode.prompts import Prompt
@@ -14,7 +14,7 @@ PROMPTS = [Prompt("a", "qa", "What is the capital of France?"), Prompt("b", "cod
 
 @pytest.fixture(scope="module")
 def smol():
-    decoder = SpecDecoder.from_specs("smollm2-135m", None, dtype="fp32", k=4)
+    decoder = SpecDecoder.from_specs("smollm2-135m", None, dtype="fp32", k=4, backend="torch")
     decoder.engine.drafter = NgramDrafter()  # often rejected: a wrong rollback shows
     return decoder
 
@@ -31,8 +31,7 @@ def test_check_passes_on_a_correct_engine(smol):
 
 
 def test_check_reports_an_off_by_one_rollback_as_divergence(smol, monkeypatch):
-    real_rollback = engine_module.rollback
-    monkeypatch.setattr(engine_module, "rollback", lambda cache, keep: real_rollback(cache, keep + 1))
+    keep_one_stale_entry(monkeypatch)
     summary = summarize_greedy(check_greedy(smol, PROMPTS, max_new_tokens=24))
     assert summary["divergences"] >= 1, summary
     bad = [c for c in summary["cases"] if c["verdict"] == "DIVERGENCE"]

@@ -8,6 +8,7 @@ from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, Ema
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
+from replay import observe_step
 from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results, sample_generations
 from tiny import random_prompt, reference_greedy, tiny_model
 
@@ -199,7 +200,9 @@ def test_load_aware_control_does_not_guess_for_a_batch():
     ctl = AdaptiveK(max_k=8)
     ctl.observe_pass(1, 8, 0.30)
     assert ctl.plan_batch(8, unread_prompt_tokens=4000, ready_rows=0) == 0
-    assert ctl.plan_batch(1) == 8 and ctl.plan(10) == 8  # one row explores, and so measures the draft
+    assert ctl.plan_batch(1) == 8 and ctl.plan(10) == 0  # a row alone first measures a plain pass...
+    ctl.observe_pass(1, 1, 0.05)
+    assert ctl.plan(10) > 0  # ...then explores, and so measures the draft
 
 
 def test_batch_probe_never_makes_a_row_read_its_prompt():
@@ -242,8 +245,8 @@ def test_lookup_drafts_in_a_batch_keep_what_pays():
 def test_adaptive_falls_back_to_plain_and_probes_again():
     ctl = AdaptiveK(max_k=6, probe_every=4)
     for _ in range(10):  # an expensive draft the target always rejects
-        ctl.observe("model", [0.9], drafted=1, accepted=0, draft_s=0.5, verify_s=0.2)
-        ctl.observe("model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.2)
+        observe_step(ctl, "model", [0.9], drafted=1, accepted=0, draft_s=0.5, verify_s=0.2)
+        observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.2)
     plans = [ctl.plan(10) for _ in range(10)]
     assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0  # 4 plain steps, then a probe
     assert ctl.skipped_steps >= 8
@@ -253,13 +256,13 @@ def test_a_slow_stretch_does_not_keep_speculation_off():
     """Probes re-measure what the on/off rule reads: one slow stretch must not poison it for good."""
     ctl = AdaptiveK(max_k=6, probe_every=3)
     for _ in range(5):  # the machine is busy: drafting and two-position passes cost double
-        ctl.observe("model", [0.9], drafted=1, accepted=1, draft_s=0.3, verify_s=0.6)
-        ctl.observe("model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.25)
+        observe_step(ctl, "model", [0.9], drafted=1, accepted=1, draft_s=0.3, verify_s=0.6)
+        observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.25)
     plans = []
     for _ in range(60):  # then it is quiet again and every drafted token is accepted
         k = ctl.plan(100)
         plans.append(k)
-        ctl.observe("model", [0.9] * k if k else None, drafted=k, accepted=k, draft_s=0.04 * k, verify_s=0.25 + 0.005 * k)
+        observe_step(ctl, "model", [0.9] * k if k else None, drafted=k, accepted=k, draft_s=0.04 * k, verify_s=0.25 + 0.005 * k)
     assert plans[:4] == [0, 0, 0, 1]  # plain steps, then a one-token probe
     assert all(k > 1 for k in plans[-10:]), plans  # speculation came back
 
@@ -359,8 +362,8 @@ def test_trim_measures_a_wider_pass_once_instead_of_trusting_the_guess():
 def test_adaptive_drafts_long_when_cheap_and_accepted():
     ctl = AdaptiveK(max_k=8)
     for _ in range(20):
-        ctl.observe("model", [0.99] * 8, drafted=8, accepted=8, draft_s=0.08, verify_s=0.25)
-        ctl.observe("model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.24)
+        observe_step(ctl, "model", [0.99] * 8, drafted=8, accepted=8, draft_s=0.08, verify_s=0.25)
+        observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.24)
     assert ctl.plan(20) == 8
     assert all(ctl.keep_going(i, 0.99) for i in range(1, 5))
     ctl.plan(20)
@@ -370,8 +373,8 @@ def test_adaptive_drafts_long_when_cheap_and_accepted():
 def test_adaptive_trims_ngram_drafts_that_never_hit():
     ctl = AdaptiveK(max_k=8)
     for _ in range(30):
-        ctl.observe("ngram", None, drafted=8, accepted=0, draft_s=0.0, verify_s=0.30)
-        ctl.observe("ngram", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.20)
+        observe_step(ctl, "ngram", None, drafted=8, accepted=0, draft_s=0.0, verify_s=0.30)
+        observe_step(ctl, "ngram", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.20)
     draft = ctl.trim(Draft(torch.arange(8)[None], source="ngram"))
     assert draft.length == 0
 

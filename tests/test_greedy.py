@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-import specdecode.engine as engine_module
 from specdecode import ModelDrafter, NgramDrafter, SpeculativeEngine
 from specdecode.stopping import StopCondition
-from tiny import random_prompt, reference_greedy
+from tiny import keep_one_stale_entry, random_prompt, reference_greedy
 
 PROMPTS = [(seed, 3 + seed % 11) for seed in range(10)]  # (seed, prompt length)
 NEW_TOKENS = 24
@@ -64,8 +63,7 @@ def test_self_draft_accepts_everything(target, k):
 
 def test_off_by_one_rollback_is_caught(target, near_draft, references, monkeypatch):
     """A rollback that keeps one stale cache entry must break greedy identity (so the tests above can fail)."""
-    real_rollback = engine_module.rollback
-    monkeypatch.setattr(engine_module, "rollback", lambda cache, keep: real_rollback(cache, keep + 1))
+    keep_one_stale_entry(monkeypatch)
     engine = SpeculativeEngine(target, ModelDrafter(near_draft), k=4)
     outputs = [engine.generate(random_prompt(s, n), max_new_tokens=NEW_TOKENS).result().token_ids for s, n in PROMPTS]
     assert any(out != references[s] for out, (s, _) in zip(outputs, PROMPTS))

@@ -18,7 +18,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smol():
-    return SpecDecoder.from_specs("smollm2-135m", None, dtype="fp32")
+    return SpecDecoder.from_specs("smollm2-135m", None, dtype="fp32", backend="torch")
 
 
 def test_smollm2_self_draft_gives_plain_output(smol):

@@ -62,3 +62,17 @@ def tiny_tokenizer(vocab: int = VOCAB):
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<s>", pad_token="<s>")
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return fast
+
+
+def keep_one_stale_entry(monkeypatch) -> None:
+    """Mutation: after each pass the cache keeps one input too many (the first rejected token's K/V), the
+    off-by-one rollback every backend could make. The greedy tests must catch it."""
+    from specdecode.tree import TreeLayout
+
+    real = TreeLayout.kept_inputs
+
+    def stale(self, accepted, leaf):
+        kept = real(self, accepted, leaf)
+        return kept + [kept[-1] + 1] if leaf is None and kept[-1] + 1 < self.width else kept
+
+    monkeypatch.setattr(TreeLayout, "kept_inputs", stale)

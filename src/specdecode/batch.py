@@ -1,17 +1,11 @@
-"""Several sequences in one target pass, each with its own draft and accepted length (ragged rows).
+"""Continuous batching with speculation per row: the one decoding step every path runs.
 
-transformers' DynamicCache keeps one length for the whole batch, so rows share the cache's slot
-axis and differ in which slots are live:
-- every row feeds [last token] + its draft, padded to the batch's widest draft; `position_ids` are
-  the row's own positions and a 2-D attention mask marks its live slots (padding and rejected draft
-  slots are holes);
-- after verification the shared tail is cropped to the longest accepted row, so holes remain only in
-  rows that accepted less; when gathering each row's live slots to the right would free enough of the
-  cache, rows are compacted;
-- a new row is prefilled alone and joins by left-padding (its cache or the batch's) to a common
-  length; finished rows leave with `batch_select_indices`.
+Each step admits waiting requests (prefill), lets every row propose a draft (under a load-aware cap),
+verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend pass, judges each row by
+the single-sequence rule (`Sequence.judge`), keeps the accepted K/V (`Backend.keep`), feeds the controller
+and emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
 Greedy output per row equals the same request run alone; sampling stays lossless per row (each row
-keeps its own generator and is judged by the single-sequence rule).
+keeps its own generator).
 """
 
 from __future__ import annotations
@@ -22,17 +16,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from .backends import Backend, as_backend
 from .control import AdaptiveK, FixedK
 from .drafters.base import Draft, Drafter
-from .engine import target_logits
 from .sampling import SamplingParams
-from .sequence import Sequence, context_window, validate_request
+from .sequence import Sequence, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
-from .tree import TreeLayout, additive_mask, keep_leaf
+from .tree import TreeLayout, pack
 
 
 @dataclass
@@ -57,24 +49,11 @@ class StepReport:
     accepted_per_position: list[int] = field(default_factory=list)
 
 
-def live_slots(kept: list[int], keep: int) -> torch.Tensor:
-    """[B, keep] mask of the slots each row keeps from a verify pass: its [last] + `kept` more (accepted draft
-    tokens, and a correction whose K/V came from a tree leaf)."""
-    return torch.arange(keep)[None, :] < (1 + torch.tensor(kept))[:, None]
-
-
-def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Pad a [B, H, T, D] cache tensor with n empty slots on the left of T."""
-    if n == 0:
-        return x
-    return torch.cat([x.new_zeros(*x.shape[:2], n, x.shape[3]), x], dim=2)
-
-
 class BatchEngine:
-    """Continuous batching with speculation per row. Submit requests any time (thread-safe); a
-    single thread calls `step()` repeatedly — best the thread that loaded the models (on the 2-core CPU
-    stepping from another one ran target passes 17-20 % slower with a draft model loaded; see
-    server.service.SchedulerThread). `adaptive` makes speculation load-aware (see control.AdaptiveK)."""
+    """Submit requests any time (thread-safe); a single thread calls `step()` repeatedly — best the thread
+    that loaded the models (on the 2-core CPU stepping from another one ran target passes 17-20 % slower with
+    a draft model loaded; see server.service.SchedulerThread). `adaptive` makes speculation load-aware (see
+    control.AdaptiveK). `target`: a Backend, or a transformers model (run by the torch backend)."""
 
     def __init__(
         self,
@@ -90,17 +69,14 @@ class BatchEngine:
             raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        layers = DynamicCache(config=target.config).layers
-        if any(type(layer) is not DynamicLayer for layer in layers):
+        self.backend: Backend = as_backend(target, compact_above=compact_above)
+        if self.backend.max_rows is not None and max_batch > self.backend.max_rows:
             raise ValueError("batched decoding supports full-attention models only (this one has sliding-window layers)")
-        self.target, self.drafter, self.tokenizer, self.k = target, drafter, tokenizer, k
-        self.max_batch, self.compact_above = max_batch, compact_above
+        self.drafter, self.tokenizer, self.k, self.max_batch = drafter, tokenizer, k, max_batch
         self.controller = AdaptiveK(max_k=k) if adaptive else None
         if drafter is not None:
-            drafter.check_vocab(target.get_output_embeddings().weight.shape[0], tokenizer)
+            drafter.check_vocab(self.backend.vocab_size, tokenizer)
         self.rows: list[Sequence] = []
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # [B, T] bool: which cache slots each row attends
         self._pending: deque[Sequence] = deque()
         self._lock = threading.Lock()
 
@@ -108,7 +84,7 @@ class BatchEngine:
 
     @property
     def context_window(self) -> int | None:
-        return context_window(self.target)
+        return self.backend.context_window
 
     def submit(
         self,
@@ -124,7 +100,9 @@ class BatchEngine:
         """Queue a request; it joins the batch at the next step with room. Raises ValueError on bad input."""
         k = self.k if k is None else k
         validate_request(input_ids, max_new_tokens, k, self.context_window)
-        drafter = self.drafter.spawn() if speculate and self.drafter is not None else None
+        drafter = None
+        if speculate and self.drafter is not None:  # one row at a time: rows take turns with the drafter itself
+            drafter = self.drafter.spawn() if self.max_batch > 1 else self.drafter
         seq = Sequence(input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop, drafter=drafter,
                        logprobs=logprobs)
         with self._lock:
@@ -151,7 +129,8 @@ class BatchEngine:
         with self._lock:
             dropped = self.rows + list(self._pending)
             self._pending.clear()
-        self.rows, self.cache, self.mask = [], None, None
+        self.rows = []
+        self.backend.clear()
         for seq in dropped:
             if not seq.finished:
                 seq.result.finish_reason = "error"
@@ -161,22 +140,23 @@ class BatchEngine:
 
     def step(self) -> StepReport:
         start = time.perf_counter()
-        report = self._step()
+        report = StepReport()
+        self._leave([s for s in self.rows if s.cancelled], report, reason="cancelled")
+        self._admit(report)
+        report.admit_s = time.perf_counter() - start
+        if self.rows:
+            drafts, draft_s = self._draft(report)
+            if self.rows:
+                self._verify(drafts, draft_s, report)
         report.step_s = time.perf_counter() - start
         return report
 
-    def _step(self) -> StepReport:
-        report = StepReport()
-        self._leave([s for s in self.rows if s.cancelled], report, reason="cancelled")
-        t0 = time.perf_counter()
-        self._admit(report)
-        report.admit_s = time.perf_counter() - t0
-        if not self.rows:
-            return report
-        B = len(self.rows)
-        controller = self.controller
-        if controller is not None:  # a row running alone verifies its draft's leaves; beside others it does not
-            controller.leaves = getattr(self.rows[0].drafter, "alternatives", 0) if B == 1 else 0
+    def _draft(self, report: StepReport) -> tuple[list[Draft], list[float]]:
+        """Every row's draft for this step (empty: a plain step for that row) and the seconds it took."""
+        controller, B = self.controller, len(self.rows)
+        if controller is not None:  # leaves a row alone may verify, per drafted token
+            alone = self.rows[0].drafter if B == 1 and self.backend.supports_tree else None
+            controller.leaves = alone.alternatives if alone is not None else 0
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
         calibrate = controller is not None and not controller.costs.measured(1, B)
         if controller is not None and not calibrate:
@@ -185,10 +165,7 @@ class BatchEngine:
             report.cap = controller.plan_batch(B, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
             # Model drafting does not pay for this batch; drafts that cost no model pass still may.
             report.lookup_only = B > 1 and report.cap == 0
-
-        drafts: list[Draft] = []
-        draft_s: list[float] = []
-        failed: list[Sequence] = []
+        drafts, draft_s, failed = [], [], []
         for seq in self.rows:
             t0 = time.perf_counter()
             if calibrate and seq.drafter is not None:
@@ -207,67 +184,44 @@ class BatchEngine:
                 controller.costs.observe_draft_prefill(seq.prompt.shape[1], seq.step_prefill_s)
             seq.stats.draft_time_s += draft_s[-1]
         report.draft_s = sum(draft_s)
-        if failed:
-            self._leave(failed, report)
-            if not self.rows:
-                return report
-            B = len(self.rows)
-        if report.lookup_only:
-            keep_len = controller.plan_free(B, drafts)
+        self._leave(failed, report)
+        if report.lookup_only and self.rows:
+            keep_len = controller.plan_free(len(self.rows), drafts)
             for seq, draft in zip(self.rows, drafts):
                 draft.truncate(keep_len)
                 if seq.drafter is not None and not draft.length and seq.draft_budget > 0:
                     seq.stats.plain_steps += 1
+        return drafts, draft_s
 
-        # Tree leaves (tree.py) only for a row running alone: beside other rows a wider pass is not free.
-        trees = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if B == 1 else None) for seq, d in zip(self.rows, drafts)]
-        width = max(tree.width for tree in trees)
-        T = self.mask.shape[1]
-        tokens = torch.zeros(B, width, dtype=torch.long)
-        fed = torch.zeros(B, width, width, dtype=torch.bool)  # [row, query, key] among this pass's inputs
-        offsets = torch.arange(width).repeat(B, 1)
-        for i, tree in enumerate(trees):
-            n = tree.width
-            tokens[i, :n] = tree.tokens[0]
-            tokens[i, n:] = tokens[i, 0]  # padding: any token, masked out
-            fed[i, :n, :n] = tree.visibility
-            offsets[i, :n] = tree.offsets
-        first_pos = torch.tensor([seq.ids.shape[1] - 1 for seq in self.rows])
-        position_ids = first_pos[:, None] + offsets
-        if any(tree.leaves for tree in trees):
-            allowed = torch.cat([self.mask[:, None, :].expand(B, width, T), fed], dim=2)[:, None]
-            attention_mask = additive_mask(allowed, self.target.dtype)
-        else:  # chains: a 2-D mask of live slots (the model makes it causal)
-            attention_mask = torch.cat([self.mask, fed.diagonal(dim1=1, dim2=2)], dim=1)
+    def _leaves_on(self) -> bool:
+        """Tree leaves only for a row running alone (beside other rows a wider pass is not free), where the
+        backend scores trees and the controller finds they pay."""
+        return len(self.rows) == 1 and self.backend.supports_tree and (self.controller or FixedK(self.k)).leaves_on
 
+    def _verify(self, drafts: list[Draft], draft_s: list[float], report: StepReport) -> None:
+        """One pass over every row's [last] + draft, then judge, keep the accepted K/V, learn and emit."""
+        controller, B = self.controller, len(self.rows)
+        leaves = self._leaves_on()
+        trees = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if leaves else None) for seq, d in zip(self.rows, drafts)]
         t0 = time.perf_counter()
-        logits = target_logits(
-            self.target, tokens, self.cache,
-            attention_mask=attention_mask.to(self.target.device), position_ids=position_ids.to(self.target.device),
-        )
-        accepted, kept = [], []  # draft tokens accepted; slots each row keeps after its [last]
+        tokens, widths, offsets, visibility = pack(trees)
+        logits = self.backend.forward(tokens, widths, offsets, visibility)
+        accepted, kept = [], []
         for i, (seq, draft, tree) in enumerate(zip(self.rows, drafts, trees)):
             accepted.append(seq.judge(draft, *tree.split_logits(logits[i : i + 1, : tree.width])))
-            kept.append(accepted[-1])
-            if seq.leaf is not None:  # the correction's K/V, computed at its leaf, moves to its slot
-                keep_leaf(self.cache, T, tree, *seq.leaf, row=i)
-                kept[-1] += 1
-        keep = 1 + max(kept)
-        if width > keep:
-            self.cache.crop(-(width - keep))
-        self.mask = torch.cat([self.mask, live_slots(kept, keep)], dim=1)
+            kept.append(tree.kept_inputs(accepted[-1], seq.leaf))
+        self.backend.keep(kept)
         verify_s = time.perf_counter() - t0
-        assert self.mask.shape[1] == T + keep == self.cache.get_seq_length()
 
-        report.rows, report.width, report.verify_s = B, width, verify_s
+        report.rows, report.width, report.verify_s = B, tokens.shape[1], verify_s
         if controller is not None:
-            controller.observe_pass(width, B, verify_s)
+            controller.observe_pass(tokens.shape[1], B, verify_s)
         for seq, draft, tree, n_acc, seconds in zip(self.rows, drafts, trees, accepted, draft_s):
             seq.stats.verify_time_s += verify_s
             if controller is not None:
                 controller.observe_row(
                     draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s,
-                    leaf_used=(seq.leaf is not None) if tree.leaves else None,
+                    leaf_used=(seq.leaf is not None) if tree.leaves else None, positions=tree.width,
                 )
             report.drafted += draft.length
             report.accepted += n_acc
@@ -278,8 +232,6 @@ class BatchEngine:
                 report.events.append((seq, chunk))
         report.speculative = report.drafted > 0
         self._leave([s for s in self.rows if s.finished], report)
-        self._compact_if_sparse()
-        return report
 
     # --- rows joining and leaving -----------------------------------------------------------------
 
@@ -293,36 +245,21 @@ class BatchEngine:
                 seq.result.finish_reason = "cancelled"
                 report.finished.append(seq)
                 continue
-            cache = DynamicCache(config=self.target.config)
             try:
-                seq.start(target_logits(self.target, seq.prompt, cache, last_only=True)[:, -1], prefill_drafter=False)
+                seq.start(self.backend.add_row(seq.prompt), prefill_drafter=False)
             except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
                 seq.fail(error)
                 report.finished.append(seq)
                 continue
             report.admitted += 1
+            self.rows.append(seq)
+            if self.controller is not None:
+                self.controller.rows_changed()
             chunk = seq.emit()
             if chunk:
                 report.events.append((seq, chunk))
             if seq.finished:
-                report.finished.append(seq)
-                continue
-            self._join(seq, cache)
-
-    def _join(self, seq: Sequence, cache: DynamicCache) -> None:
-        length = cache.get_seq_length()
-        if self.cache is None:
-            self.cache, self.mask, self.rows = cache, torch.ones(1, length, dtype=torch.bool), [seq]
-            return
-        T = self.mask.shape[1]
-        common = max(T, length)
-        for mine, theirs in zip(self.cache.layers, cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, common - T), _left_pad(theirs.keys, common - length)])
-            mine.values = torch.cat([_left_pad(mine.values, common - T), _left_pad(theirs.values, common - length)])
-        own = torch.zeros(1, common, dtype=torch.bool)
-        own[:, common - length :] = True
-        self.mask = torch.cat([torch.nn.functional.pad(self.mask, (common - T, 0)), own])
-        self.rows.append(seq)
+                self._leave([seq], report)
 
     def _leave(self, leaving: list[Sequence], report: StepReport, reason: str | None = None) -> None:
         if not leaving:
@@ -331,40 +268,7 @@ class BatchEngine:
             if reason and not seq.finished:
                 seq.result.finish_reason = reason
             report.finished.append(seq)
-        stay = [i for i, seq in enumerate(self.rows) if seq not in leaving]
-        self.rows = [self.rows[i] for i in stay]
-        if not stay:
-            self.cache = self.mask = None
-            return
-        self.cache.batch_select_indices(torch.tensor(stay, device=self.target.device))
-        self.mask = self.mask[stay]
-        # Slots no remaining row attends at the left (padding for rows that left) can go.
-        first_live = int(self.mask.any(0).long().argmax())
-        if first_live:
-            self._keep_slots(torch.arange(first_live, self.mask.shape[1]).expand(len(stay), -1))
-
-    def _compact_if_sparse(self) -> None:
-        """Gather each row's live slots to the right when that frees more than `compact_above` of the cache.
-        Holes alone are no reason: a short prompt's left padding beside a long one cannot be freed, and
-        gathering the whole cache every step for nothing cost ~50 ms a step at 4 rows on the Qwen pair."""
-        if self.mask is None:
-            return
-        live = self.mask.sum(1)
-        common = int(live.max())
-        if self.mask.shape[1] - common <= self.compact_above * self.mask.shape[1]:
-            return
-        index = torch.zeros(len(self.rows), common, dtype=torch.long)
-        for i, row in enumerate(self.mask):
-            slots = row.nonzero().flatten()
-            index[i, common - len(slots) :] = slots
-        self._keep_slots(index)
-        self.mask = torch.arange(common)[None, :] >= (common - live)[:, None]
-
-    def _keep_slots(self, index: torch.Tensor) -> None:
-        """Keep cache slots index[b] (a [B, T'] slot index) of each row b, in that order."""
-        self.mask = self.mask.gather(1, index)
-        for layer in self.cache.layers:
-            B, H, _, D = layer.keys.shape
-            gather = index.to(layer.keys.device)[:, None, :, None].expand(B, H, index.shape[1], D)
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
+        self.backend.remove_rows([i for i, seq in enumerate(self.rows) if seq in leaving])
+        self.rows = [seq for seq in self.rows if seq not in leaving]
+        if self.controller is not None:
+            self.controller.rows_changed()

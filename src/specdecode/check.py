@@ -14,8 +14,6 @@ import torch
 from .pipeline import SpecDecoder
 from .prompts import Prompt
 
-# Below this top-2 logit gap a difference can come from rounding alone.
-NEAR_TIE_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
 
 
 @dataclass
@@ -36,16 +34,18 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-@torch.inference_mode()
-def top2_gap(model, input_ids: torch.Tensor) -> float:
-    logits = model(input_ids=input_ids.to(model.device), logits_to_keep=1).logits[0, -1].float()
+def top2_gap(backend, input_ids: torch.Tensor) -> float:
+    """The target's top-2 logit gap after input_ids [1, L], from a one-off row of its own."""
+    logits = backend.add_row(input_ids)[0]
+    backend.remove_rows([backend.rows - 1])
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
 
 def check_greedy(decoder: SpecDecoder, prompts: list[Prompt], max_new_tokens: int, chat: bool = True, progress=None):
     """Run plain and speculative greedy decoding on each prompt and compare them token for token."""
-    threshold = NEAR_TIE_GAP.get(decoder.target.dtype, 1e-3)
+    backend = decoder.engine.backend
+    threshold = backend.near_tie_gap
     cases = []
     for prompt in prompts:
         plain = decoder.generate(prompt.text, chat=chat, max_new_tokens=max_new_tokens, speculate=False)
@@ -54,7 +54,7 @@ def check_greedy(decoder: SpecDecoder, prompts: list[Prompt], max_new_tokens: in
         case = GreedyCase(prompt.id, prompt.task, diff is None, len(plain.token_ids))
         if diff is not None:
             prefix = torch.tensor([plain.token_ids[:diff]], dtype=torch.long)
-            gap = top2_gap(decoder.target, torch.cat([decoder.encode(prompt.text, chat=chat), prefix], dim=1))
+            gap = top2_gap(backend, torch.cat([decoder.encode(prompt.text, chat=chat), prefix], dim=1))
             case.first_difference, case.top2_gap = diff, gap
             case.verdict = "near-tie" if gap < threshold else "DIVERGENCE"
         cases.append(case)

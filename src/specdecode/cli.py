@@ -25,8 +25,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="auto compiles its draft model's one-token step with torch.compile: draft steps ~20%% cheaper, about a minute "
         "more at start (default: on for serve and bench, off for one-off commands)",
     )
-    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="default: bf16 where the CPU has it")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
+        help="what runs the models: llama.cpp (GGUF files and built-ins, its quantized CPU kernels), torch (transformers; "
+        "Hugging Face directories, hub ids, GPUs, fp32 exactness) or auto (llama.cpp for GGUF on a CPU when installed)",
+    )
+    p.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None, help="torch backend: default bf16 where the CPU has it")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: the backend's choice)")
     p.add_argument("--k", type=int, default=None, help="draft length (default 5), or its maximum when adaptive (default 8)")
     p.add_argument(
         "--adaptive", action=argparse.BooleanOptionalAction, default=None,
@@ -87,7 +92,7 @@ def cmd_generate(args) -> int:
     err = Console(stderr=True)
     decoder = SpecDecoder.from_specs(
         args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
-        compile_draft=_compile_draft(args, long_running=False),
+        compile_draft=_compile_draft(args, long_running=False), backend=args.backend,
     )
     options = dict(
         chat=args.chat,
@@ -139,8 +144,13 @@ def cmd_models(args) -> int:
     from .models import describe_builtins, prepare
 
     if args.action == "pull":
+        from .backends import choose_backend
+        from .models import gguf_file
+
         for name in args.names or list(BUILTINS):
-            print(f"{name}: {prepare(name)}")
+            # llama.cpp reads the GGUF itself; torch needs the one-off conversion (~10 GB in fp32 for the Qwen pair)
+            path = gguf_file(name) if choose_backend(args.backend, name) == "llama.cpp" else prepare(name)
+            print(f"{name}: {path}")
         return 0
     table = Table(title="built-in models (install offline from PyPI)")
     for col in ("name", "description", "installed", "converted", "size MB", "path"):
@@ -178,13 +188,13 @@ def cmd_check(args) -> int:
     console = Console(stderr=True)
     prompts = _load_prompts(args)
     decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
-                                     compile_draft=_compile_draft(args, long_running=False))
+                                     compile_draft=_compile_draft(args, long_running=False), backend=args.backend)
 
     def show(case):
         detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"
         console.print(f"  {case.task}/{case.id}: {case.verdict}{detail}")
 
-    console.print(f"greedy check: {len(prompts)} prompts, {args.max_new_tokens} new tokens, dtype {decoder.target.dtype}")
+    console.print(f"greedy check: {len(prompts)} prompts, {args.max_new_tokens} new tokens, {decoder.engine.backend.describe()}")
     summary = summarize_greedy(check_greedy(decoder, prompts, args.max_new_tokens, progress=None if args.json else show))
     passed = summary["divergences"] == 0
     report = dict(greedy=summary)
@@ -278,7 +288,7 @@ def cmd_serve(args) -> int:
         args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
         adaptive=True if args.adaptive is None else args.adaptive,
         model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
-        default_max_tokens=args.default_max_tokens, compile_draft=_compile_draft(args, long_running=True),
+        default_max_tokens=args.default_max_tokens, compile_draft=_compile_draft(args, long_running=True), backend=args.backend,
     )
     print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
           f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
@@ -303,18 +313,16 @@ def cmd_bench(args) -> int:
     from .bench.methods import build_methods
     from .bench.report import write_report
     from .bench.runner import BenchConfig, environment, run_bench
-    from .models import load_model
-    from .pipeline import SpecDecoder
+    from .pipeline import SpecDecoder, load_components
     from .sampling import SamplingParams
 
-    if args.threads:
-        torch_threads(args.threads)
     prompts = _load_prompts(args)
-    target, tokenizer = load_model(args.target, dtype=args.dtype)
+    target, tokenizer, _, _, _ = load_components(args.target, None, dtype=args.dtype, threads=args.threads, backend=args.backend)
     decoder = SpecDecoder(target, tokenizer)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = build_methods(names, target, tokenizer, decoder.eos, default_draft=args.draft, default_k=args.k, dtype=args.dtype,
-                            default_adaptive=args.adaptive, compile_draft=_compile_draft(args, long_running=True))
+                            default_adaptive=args.adaptive, compile_draft=_compile_draft(args, long_running=True),
+                            threads=args.threads)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeat=args.repeat, sampling=sampling, chat=not args.no_chat)
     with tqdm(total=len(prompts) * len(methods) * args.repeat, desc="bench", unit="run") as bar:
@@ -325,7 +333,7 @@ def cmd_bench(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, prompts=len(prompts),
         methods={m.name: m.settings for m in methods},
     )
-    summary = write_report(rows, names, environment(target, target.dtype), command, settings, Path(args.out))
+    summary = write_report(rows, names, environment(target, args.threads), command, settings, Path(args.out))
     table = Table(title=f"overall ({len(prompts)} prompts, {args.max_new_tokens} new tokens) — {args.out}/report.md")
     for col in ("method", "tok/s", "vs plain (mean)", "min", "max", "accepted/step", "identical", "p50 s", "p99 s"):
         table.add_column(col, justify="right")
@@ -477,6 +485,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the built-in models, or `models pull [NAME...]` to install and convert")
     m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
+    m.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
+                   help="pull for this backend: llama.cpp keeps the GGUF as is, torch converts it once (default: auto)")
     m.add_argument("names", nargs="*")
     m.set_defaults(func=cmd_models)
     return parser

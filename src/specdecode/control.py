@@ -12,6 +12,7 @@ None of this changes the output: it only decides how many tokens to propose.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -112,35 +113,52 @@ class PassCostLine:
     """One sequence's verify pass as level + slope x positions. The level follows the current context (a pass
     over 700 cached tokens costs ~2x one over 100 here); the slope, which is what deciding one more drafted token
     reads, is learned only from consecutive passes (same context, same machine load) of clearly different widths.
-    A table keyed by width alone remembered each width at whatever context it was last measured in."""
+    A table keyed by width alone remembered each width at whatever context it was last measured in.
+
+    The slope is the median of the latest samples, not a clamped average: a position costs ~1 ms on one CPU and
+    ~170 ms on another (bf16 emulated), so no bound in seconds fits both, while a median shrugs off a hiccup."""
 
     MIN_WIDTH_GAP = 3  # closer widths: their time difference is mostly noise
-    MAX_SLOPE = 0.05  # s per position: a sample beyond it is a hiccup, not a cost
+    SLOPE_SAMPLES = 9
 
-    def __init__(self, alpha_level: float = 0.3, alpha_slope: float = 0.1):
-        self.level, self.slope = Ema(alpha_level), Ema(alpha_slope)
+    def __init__(self, alpha_level: float = 0.3):
+        self.level = Ema(alpha_level)
+        self.slope_samples: list[float] = []
+        self.recent: list[float] = []  # the latest passes' seconds: none costs less than the cheapest of them
         self._last: tuple[int, float] | None = None
+
+    @property
+    def slope(self) -> float | None:
+        if not self.slope_samples:
+            return None
+        return statistics.median(self.slope_samples)
 
     def observe(self, positions: int, seconds: float) -> None:
         if self._last is not None and abs(positions - self._last[0]) >= self.MIN_WIDTH_GAP:
             sample = (seconds - self._last[1]) / (positions - self._last[0])
-            self.slope.update(min(max(sample, 0.0), self.MAX_SLOPE))
+            self.slope_samples = [*self.slope_samples[-(self.SLOPE_SAMPLES - 1):], max(sample, 0.0)]
         self._last = (positions, seconds)
-        if self.slope.value is not None:
-            self.level.update(seconds - self.slope.value * positions)
+        self.recent = [*self.recent[-(self.SLOPE_SAMPLES - 1):], seconds]
+        if self.slope is not None:
+            self.level.update(seconds - self.slope * positions)
 
     def new_context(self) -> None:
         """A new request: its passes are not comparable with the last one's."""
         self._last = None
+        self.recent = []
 
     def time(self, positions: int) -> float | None:
+        """A line cannot follow a pass flat up to some width and steep past it: it would put the narrow passes
+        below zero. They cost at least what the cheapest recent pass did."""
         if self.level.value is None:
             return None
-        return self.level.value + self.slope.value * positions
+        return max(self.level.value + self.slope * positions, min(self.recent, default=0.0))
 
 
 class FixedK:
     """Always draft k tokens (the classic setting)."""
+
+    leaves_on = True  # verify whatever leaves the drafter offers
 
     def __init__(self, k: int):
         self.max_k = k
@@ -154,13 +172,13 @@ class FixedK:
     def trim(self, draft):
         return draft
 
-    def observe(self, source, confidences, drafted, accepted, draft_s, verify_s, positions=None, leaf_used=None) -> None:
-        pass
-
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
         pass
 
-    def observe_row(self, source, confidences, drafted, accepted, draft_s, leaf_used=None) -> None:
+    def observe_row(self, source, confidences, drafted, accepted, draft_s, leaf_used=None, positions=None) -> None:
+        pass
+
+    def rows_changed(self) -> None:
         pass
 
 
@@ -176,12 +194,13 @@ class AdaptiveK:
     may still pay: `plan_free` picks how much of them to verify.
     """
 
-    def __init__(self, max_k: int = 8, probe_every: int = 8, min_gain: float = 1.0):
+    def __init__(self, max_k: int = 8, probe_every: int = 8, min_gain: float = 1.05):
         self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
         self.costs = CostModel()
         self.calibrator = ConfidenceCalibrator()
         self.first_accept = Ema(0.2, 0.6)  # acceptance of a step's first draft token, any confidence
         self.plain_steps = 0
+        self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
         self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
         # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
         self.position_accept: dict[str, list[Ema]] = {}
@@ -190,6 +209,7 @@ class AdaptiveK:
         # Alternatives a model draft carries per drafted token (tree leaves, tree.py): each widens the pass, and
         # at a rejection one of them is the target's correction this often (one more token: drafting pays more)
         self.leaves = 0
+        self.leaves_on = False  # this step verifies leaves (decided in plan from the measured pass slope)
         self.leaf_hit = Ema(0.1, 0.3)
         self.leaves_per_token = Ema(0.2)  # leaves a drafted token actually carried (the drafter leaves out unlikely ones)
         self.pass_line = PassCostLine()  # one sequence's verify cost by width (the table serves batches)
@@ -205,13 +225,32 @@ class AdaptiveK:
             t = self.costs.verify_time(positions, self.rows)
         return t / self.rows if t is not None else 0.0
 
-    def _leaf_hit(self) -> float:
-        return self.leaf_hit.value if self.leaves else 0.0
+    def _leaf_hit(self, leaves_on: bool | None = None) -> float:
+        return self.leaf_hit.value if (self.leaves_on if leaves_on is None else leaves_on) else 0.0
 
-    def _verify_model_draft(self, positions: int) -> float:
-        """A single sequence's pass over [last] + positions - 1 model-drafted tokens and their leaves."""
-        leaves = self.leaves_per_token.value if self.leaves and self.leaves_per_token.value is not None else self.leaves
+    def _verify_model_draft(self, positions: int, leaves_on: bool | None = None) -> float:
+        """A single sequence's pass over [last] + positions - 1 model-drafted tokens (and their leaves, if on)."""
+        leaves = 0.0
+        if self.leaves_on if leaves_on is None else leaves_on:
+            leaves = self.leaves_per_token.value if self.leaves_per_token.value is not None else self.leaves
         return self._verify(1 + (positions - 1) * (1 + leaves))
+
+    def _speculative_rate(self, leaves_on: bool) -> float:
+        """Expected tokens per second of a one-token draft (the on/off rule's yardstick)."""
+        a = self.first_accept.value
+        return (1 + a + (1 - a) * self._leaf_hit(leaves_on)) / (self.costs.draft_time() + self._verify_model_draft(2, leaves_on))
+
+    def _best_case_rate(self, t_plain: float) -> float:
+        """Tokens per second of the best draft length if the target accepted every drafted token and verifying
+        cost no more than a plain pass: an upper bound (unmeasured wide passes must not make drafting look hopeless)."""
+        t_draft = self.costs.draft_time()
+        return max((k + 1) / (k * t_draft + t_plain) for k in range(1, self.max_k + 1))
+
+    def _choose_leaves(self) -> None:
+        """Leaves pay where a wider pass is nearly free (AVX-512 bf16: 25 positions ~ 9) and lose where every position
+        costs (AVX2 with emulated bf16: 170 ms each): decided from the measured slope, one draft token's worth."""
+        self.leaves_on = bool(self.leaves) and (
+            self.pass_line.slope is None or self._speculative_rate(True) >= self._speculative_rate(False))
 
     def plan(self, max_len: int, ready: bool = True) -> int:
         """0 means: do not draft this step (plain decoding). ready: the row's drafter has read its prompt."""
@@ -226,24 +265,36 @@ class AdaptiveK:
                 self._probe_rows -= 1
             self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
             return min(self.batch_cap, self.max_k, max_len)
-        t_plain, t_draft = self._verify(1), self.costs.draft_time()
-        if t_plain and t_draft:
-            a = self.first_accept.value
-            speculative_rate = (1 + a + (1 - a) * self._leaf_hit()) / (t_draft + self._verify_model_draft(2))
-            if speculative_rate < self.min_gain / t_plain:
-                if self.plain_steps < self.probe_every:
-                    self.plain_steps += 1
-                    self.skipped_steps += 1
-                    return 0
-                # Now and then a probe of one token: it re-measures exactly what this rule reads (the draft's
-                # time, a two-position pass, first-token acceptance). A probe at full length never refreshed
-                # the two-position pass, so one slow stretch could keep speculation off for good.
-                self.plain_steps = 0
-                self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
-                return 1
-        self.plain_steps = 0
+        # The gate compares with plain passes as measured: the line's level fits wide passes, and where the first
+        # positions cost most (AVX2 bf16: 1 -> 5 positions x4) it put a plain pass 25 % too dear.
+        t_plain, t_draft = self.costs.verify_time(1), self.costs.draft_time()
+        self._choose_leaves()
         self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
+        if not self.costs.measured(1):  # first a plain pass: drafting is judged against it (a plain step never loses)
+            return 0
+        if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
+            return min(self.START_DRAFT, self.max_k, max_len)
+        if self._speculative_rate(self.leaves_on) < self.min_gain / t_plain:
+            if self.plain_steps < self.probe_interval:
+                self.plain_steps += 1
+                self.skipped_steps += 1
+                return 0
+            # Now and then a probe of one token: it re-measures exactly what this rule reads (the draft's time, a
+            # two-position pass, first-token acceptance). A probe at full length never refreshed the two-position
+            # pass, so one slow stretch could keep speculation off for good. Each probe that finds drafting still
+            # losing waits twice as long for the next (where a draft step costs two plain ones, probes every 8
+            # steps alone cost 15 %).
+            self.plain_steps = 0
+            hopeless = self._best_case_rate(t_plain) < self.min_gain / t_plain  # not even drafts all accepted would pay
+            self.probe_interval = self.MAX_PROBE_INTERVAL if hopeless else min(2 * self.probe_interval, self.MAX_PROBE_INTERVAL)
+            return 1
+        self.plain_steps = 0
+        self.probe_interval = self.probe_every
         return min(self.max_k, max_len)
+
+    START_DRAFT = 1  # a fresh controller's first draft: short, where each position costs (8 tokens + leaves: 8 s on AVX2)
+    MAX_PROBE_INTERVAL = 128  # plain steps between probes at most, where drafting keeps losing
+    REGIME_CHANGE = 0.5  # a draft token this much cheaper than the average says the machine's load changed
 
     BATCH_MIN_GAIN = 1.15  # a batch drafts only for a clear predicted gain: estimates are noisy, switching is not free
 
@@ -354,29 +405,30 @@ class AdaptiveK:
         draft.truncate(best_len)
         return draft
 
-    def observe(
-        self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float, verify_s: float,
-        positions: int | None = None, leaf_used: bool | None = None,
-    ) -> None:
-        """One single-sequence step; `positions`: what the pass scored (drafted + 1 unless it had tree leaves);
-        `leaf_used`: whether a leaf held the correction (None: the draft had no leaves)."""
-        self.observe_pass(positions or drafted + 1, 1, verify_s)
-        self.pass_line.observe(positions or drafted + 1, verify_s)
-        if leaf_used is not None and drafted and positions:
-            self.leaves_per_token.update((positions - 1 - drafted) / drafted)
-        self.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used)
+    def rows_changed(self) -> None:
+        """A row joined or left: the next passes are not comparable with the last one's (pass line)."""
+        self.pass_line.new_context()
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
-        """A verify pass of `rows` rows x `positions` positions (the batch's widest draft + 1) took `seconds`."""
+        """A verify pass of `rows` rows x `positions` positions (the batch's widest draft + 1) took `seconds`.
+        A row alone's passes also draw its pass line."""
         self.costs.observe_verify(positions, seconds, rows)
+        if rows == 1:
+            self.pass_line.observe(positions, seconds)
 
     def observe_row(
         self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
-        leaf_used: bool | None = None,
+        leaf_used: bool | None = None, positions: int | None = None,
     ) -> None:
         """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
-        a tree leaf held the correction; None: the draft had no leaves)."""
+        a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
+        more than drafted + 1 with leaves)."""
+        before = self.costs.draft_token_s.get(source)
+        if drafted and before is not None and before.value and draft_s / drafted < self.REGIME_CHANGE * before.value:
+            self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
         self.costs.observe_draft(source, drafted, draft_s)
+        if leaf_used is not None and drafted and positions:
+            self.leaves_per_token.update((positions - 1 - drafted) / drafted)
         if leaf_used is not None and accepted < drafted:
             self.leaf_hit.update(1.0 if leaf_used else 0.0)
         if not drafted:

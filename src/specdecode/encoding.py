@@ -16,7 +16,7 @@ _MARK = "\ue000specdecode-content-{}\ue001"
 
 def eos_token_ids(model, tokenizer) -> frozenset[int]:
     """Every token that ends a turn: the generation config's EOS ids and the tokenizer's."""
-    ids = set()
+    ids = set(getattr(model, "eos_token_ids", ()))  # a backend knows its own
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
     ids.add(getattr(tokenizer, "eos_token_id", None))

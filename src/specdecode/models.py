@@ -248,6 +248,39 @@ def prepare(spec: str) -> Path | str:
     return spec  # a hub id
 
 
+def gguf_file(spec: str) -> Path | None:
+    """The GGUF file a spec names, as is (no conversion): a built-in's (assembled from its packages once) or a
+    .gguf path; None for Hugging Face directories and hub ids."""
+    if spec in BUILTINS:
+        return builtin_gguf(BUILTINS[spec])
+    if spec.endswith(".gguf"):
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ModelError(f"GGUF file not found: {spec}")
+        return path
+    return None
+
+
+def is_gguf_spec(spec: str) -> bool:
+    return spec in BUILTINS or spec.endswith(".gguf")
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer alone: from a converted copy when there is one, else from the GGUF's own metadata, else as
+    load_model finds it."""
+    from transformers import AutoTokenizer
+
+    key = spec if spec in BUILTINS else None
+    if key is None and spec.endswith(".gguf") and Path(spec).expanduser().is_file():
+        key = _gguf_key(Path(spec).expanduser())
+    if key is not None and is_converted(key):
+        return AutoTokenizer.from_pretrained(str(converted_dir(key)))
+    path = gguf_file(spec)
+    if path is not None:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(prepare(spec)))
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """A quick TCP probe, so an offline machine fails in seconds instead of after the hub client's retries."""
     import socket

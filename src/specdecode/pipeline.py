@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
-from .drafters.quant import int4_available
+from .drafters.quant import fastest_weight_format
 from .encoding import encode_prompt, eos_token_ids
 from .engine import Generation, SpeculativeEngine
 from .sequence import GenerationResult
-from .models import DEFAULT_DRAFT, known_vocab_size, load_model
+from .models import DEFAULT_DRAFT, gguf_file, known_vocab_size, load_model, load_tokenizer
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .stopping import StopCondition
@@ -40,6 +40,20 @@ def model_spec_of(drafter_spec: str) -> str:
     return drafter_spec.split("+")[0]
 
 
+def _shares_vocab(spec: str, model_spec: str, vocab_size: int) -> bool:
+    """Whether a built-in draft can serve a target of `vocab_size` tokens, known before its weights load. Plain
+    `auto` falls back to its n-gram drafter (False); a draft named outright is refused."""
+    known = known_vocab_size(model_spec)
+    if known is None or known == vocab_size:
+        return True
+    if spec == "auto":
+        print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with n-gram lookup "
+              "only (name a draft model with auto:MODEL)", file=sys.stderr)
+        return False
+    raise ValueError(f"draft model {model_spec!r} has a vocabulary of {known} tokens but the target has "
+                     f"{vocab_size}: draft and target must share one tokenizer")
+
+
 def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, compile_draft: bool = False) -> Drafter | None:
     """A drafter from a spec:
     - None / 'none': no drafter (plain decoding);
@@ -47,8 +61,8 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
     - 'MODEL[+int8|+int4][+head][+compile][+altN]': a draft model, optionally with packed weights, a restricted
       head, a compiled one-token step and N runner-up tokens per position verified as tree leaves;
-    - 'auto[:MODEL]': n-gram where the context matches, else MODEL with int4 (int8 where this torch has no
-      int4 kernel), a restricted head, and with compile_draft a compiled step (long-running uses: it costs
+    - 'auto[:MODEL]': n-gram where the context matches, else MODEL with the weight format (int4, int8 or its own)
+      whose one-row step measures fastest here, a restricted head, and with compile_draft a compiled step (long-running uses: it costs
       about a minute at start), and 2 runner-ups per position; 'auto:MODEL+OPTIONS' takes exactly those options.
     """
     if spec in (None, "", "none"):
@@ -65,9 +79,9 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     model_spec = model_spec_of(spec)
     auto = spec.startswith("auto")
     options = set(spec.split("+")[1:])
-    if auto and not options:  # auto:MODEL+OPTIONS (an ablation) takes exactly the options given
-        options = {"int4" if int4_available() else "int8", "head", f"alt{AUTO_ALTERNATIVES}"}
-        options |= {"compile"} if compile_draft else set()
+    measure_format = auto and not options  # auto:MODEL+OPTIONS (an ablation) takes exactly the options given
+    if measure_format:
+        options = {"head", f"alt{AUTO_ALTERNATIVES}"} | ({"compile"} if compile_draft else set())
     alternatives = [o for o in options if re.fullmatch(r"alt[0-9]+", o)]
     unknown = options - {"int8", "int4", "head", "compile"} - set(alternatives)
     if unknown:
@@ -80,15 +94,11 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     quant = options & {"int8", "int4"}
     if len(quant) > 1:
         raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
-    known = known_vocab_size(model_spec)
-    if target is not None and known is not None and known != target.config.vocab_size:
-        if spec == "auto":  # the built-in draft speaks another vocabulary: plain `auto` still has the n-gram drafter
-            print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with n-gram lookup "
-                  "only (name a draft model with auto:MODEL)", file=sys.stderr)
-            return NgramDrafter()
-        raise ValueError(f"draft model {model_spec!r} has a vocabulary of {known} tokens but the target has "
-                         f"{target.config.vocab_size}: draft and target must share one tokenizer")
+    if target is not None and not _shares_vocab(spec, model_spec, target.config.vocab_size):
+        return NgramDrafter()
     model, draft_tokenizer = load_model(model_spec, dtype=dtype)
+    if measure_format:  # the weight format whose one-row step is fastest on this machine
+        quant = {fastest_weight_format(model)} - {None}
     drafter = ModelDrafter(
         model,
         draft_tokenizer,
@@ -101,15 +111,51 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if auto else drafter
 
 
+def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> Drafter | None:
+    """A drafter for a llama.cpp target (a LlamaCppBackend): 'none', 'ngram', 'MODEL' (its GGUF in a second
+    llama.cpp context) or 'auto[:MODEL]' (n-gram where the context matches, else MODEL)."""
+    from .backends.llamacpp import LlamaCppBackend
+    from .drafters.llama import LlamaDrafter
+
+    if spec in (None, "", "none"):
+        return None
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec == "self" or spec.startswith("self:"):
+        raise ValueError("self-speculation (the target's first layers) runs on the torch backend only: use --backend torch")
+    model_spec = model_spec_of(spec)
+    if "+" in spec:
+        raise ValueError(f"draft options in {spec!r} (+int8, +int4, +head, +compile, +altN) are the torch backend's: on "
+                         "llama.cpp a draft model runs its GGUF as it is (use --backend torch for them)")
+    if not _shares_vocab(spec, model_spec, target.vocab_size):
+        return NgramDrafter()
+    path = gguf_file(model_spec)
+    if path is None:
+        raise ValueError(f"a draft model on llama.cpp is a GGUF file or a built-in name, not {model_spec!r}")
+    drafter = LlamaDrafter(LlamaCppBackend(path, threads=threads), name=model_spec)
+    return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if spec.startswith("auto") else drafter
+
+
 def load_components(target: str, draft: str | None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
-                    threads: int | None = None, compile_draft: bool = False):
-    """(target model, tokenizer, drafter, k, adaptive) from specs; adaptive=None: on for the 'auto' drafter, off
-    otherwise; k=None: 5 fixed, at most 8 adaptive."""
+                    threads: int | None = None, compile_draft: bool = False, backend: str = "auto", max_rows: int = 1):
+    """(target, tokenizer, drafter, k, adaptive) from specs. The target is a transformers model (torch backend) or
+    a LlamaCppBackend holding up to `max_rows` rows; backend 'auto' picks (see backends.choose_backend).
+    adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive."""
+    from .backends import choose_backend
+
+    adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
+    k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
+    if choose_backend(backend, target) == "llama.cpp":
+        from .backends.llamacpp import LlamaCppBackend
+
+        # torch only samples and compares logits here: its idle worker threads would spin beside llama.cpp's.
+        torch.set_num_threads(1)
+        tokenizer = load_tokenizer(target)
+        model = LlamaCppBackend(gguf_file(target), threads=threads, max_rows=max_rows)
+        return model, tokenizer, make_llama_drafter(draft, model, threads), k, adaptive
     if threads:
         torch.set_num_threads(threads)
     model, tokenizer = load_model(target, dtype=dtype)
-    adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
-    k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
     drafter = make_drafter(draft, dtype=dtype, tokenizer=tokenizer, target=model, compile_draft=compile_draft)
     return model, tokenizer, drafter, k, adaptive
 
@@ -183,12 +229,14 @@ class SpecDecoder:
     @classmethod
     def from_specs(
         cls, target: str, draft: str | None = None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
-        threads: int | None = None, compile_draft: bool = False,
+        threads: int | None = None, compile_draft: bool = False, backend: str = "auto",
     ):
         """adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive;
-        compile_draft: `auto` compiles its draft model's step (see `make_drafter`)."""
+        compile_draft: `auto` compiles its draft model's step (see `make_drafter`); backend: auto, torch or
+        llama.cpp (see backends.choose_backend)."""
         model, tokenizer, drafter, k, adaptive = load_components(
-            target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft)
+            target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft,
+            backend=backend)
         return cls(model, tokenizer, drafter, k=k, adaptive=adaptive)
 
     @property

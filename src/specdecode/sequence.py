@@ -39,11 +39,6 @@ class GenerationResult:
     error: str | None = None  # what went wrong, when finish_reason is "error"
 
 
-def context_window(target) -> int | None:
-    """The most positions (prompt + generated) the target model takes, when its config says."""
-    return getattr(target.config, "max_position_embeddings", None)
-
-
 def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, window: int | None = None) -> None:
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
@@ -90,6 +85,7 @@ class Sequence:
         self.drafter_ready = False  # the drafter has read the prompt
         self.step_prefill_s = 0.0  # of the last propose, the drafter's (deferred) prompt reading
         self.cancelled = False
+        self.exception: Exception | None = None  # what made it fail
         self.leaf: tuple[int, int] | None = None  # the tree leaf the last step used (position, rank)
         self.started = time.perf_counter()
 
@@ -154,6 +150,7 @@ class Sequence:
     def fail(self, error: Exception) -> None:
         self.result.finish_reason = "error"
         self.result.error = f"{type(error).__name__}: {error}"
+        self.exception = error
 
     @property
     def draft_budget(self) -> int:

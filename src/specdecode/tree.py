@@ -53,13 +53,10 @@ class TreeLayout:
         sees_leaves = torch.eye(W, dtype=torch.bool)[:, 1 + self.n :]  # a leaf sees no other leaf
         return torch.cat([sees_chain, sees_leaves], dim=1)
 
-    def model_inputs(self, past: int, dtype: torch.dtype) -> dict:
-        """position_ids and a 4D additive attention mask for a pass over a cache of `past` positions ({} for a
-        plain chain: the model's own causal mask is the same)."""
-        if not self.leaves:
-            return {}
-        allowed = torch.cat([torch.ones(self.width, past, dtype=torch.bool), self.visibility], dim=1)
-        return dict(position_ids=(past + self.offsets)[None, :], attention_mask=additive_mask(allowed[None, None], dtype))
+    def kept_inputs(self, accepted: int, leaf: tuple[int, int] | None) -> list[int]:
+        """The inputs whose K/V the cache keeps after the pass, in order: [last], the accepted draft tokens and,
+        when a leaf held the target's correction, that leaf (standing in the slot after them)."""
+        return list(range(1 + accepted)) + ([self.leaf_index(*leaf)] if leaf is not None else [])
 
     def split_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor] | None]:
         """[1, W, V] -> the chain's [1, n+1, V] and each leaf's [1, V] by (position, rank) (None: no leaves)."""
@@ -69,18 +66,19 @@ class TreeLayout:
         return chain, {leaf: logits[:, self._index[leaf]] for leaf in self.leaves}
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool [B, 1, Q, K] mask -> the additive float mask attention takes (0 where allowed)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-@torch.inference_mode()
-def keep_leaf(cache, past: int, layout: TreeLayout, position: int, rank: int, row: int | None = None) -> None:
-    """Move an accepted leaf's K/V into the chain slot it stood for (the caller then crops the cache after
-    it); `row`: of a batched cache, only that row. K/V carry their rotary position, which is that slot's."""
-    src, dst = past + layout.leaf_index(position, rank), past + 1 + position
-    rows = slice(None) if row is None else row
-    for layer in cache.layers:
-        for kv in (layer.keys, layer.values):
-            kv[rows, :, dst] = kv[rows, :, src]
+def pack(trees: list[TreeLayout]) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor | None]:
+    """Rows' layouts -> one pass's inputs: tokens [B, W] (padded with each row's [last]), widths, offsets [B, W]
+    and visibility [B, W, W] (None when every row is a plain chain: causal attention is the same)."""
+    widths = [tree.width for tree in trees]
+    B, W = len(trees), max(widths)
+    tokens = torch.zeros(B, W, dtype=torch.long)
+    offsets = torch.arange(W).repeat(B, 1)
+    visibility = torch.zeros(B, W, W, dtype=torch.bool) if any(tree.leaves for tree in trees) else None
+    for i, tree in enumerate(trees):
+        n = tree.width
+        tokens[i, :n] = tree.tokens[0]
+        tokens[i, n:] = tokens[i, 0]  # padding: any token, never read
+        offsets[i, :n] = tree.offsets
+        if visibility is not None:
+            visibility[i, :n, :n] = tree.visibility
+    return tokens, widths, offsets, visibility

@@ -7,6 +7,8 @@ Method names on the command line:
   hf-greedy                  transformers `generate`
   hf-assisted                transformers `generate(assistant_model=draft)` with its own defaults
   hf-pld                     transformers `generate(prompt_lookup_num_tokens=10)`
+  llama-cpp                  llama.cpp's own plain decoding (llama-cpp-python's high-level `Llama`) on the target's GGUF
+  llama-cpp-pld              the same with its `LlamaPromptLookupDecoding` (10 tokens)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
-from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, make_drafter, model_spec_of
+from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, make_drafter, make_llama_drafter, model_spec_of
 from ..sampling import SamplingParams
 from ..stopping import StopCondition
 
@@ -108,6 +110,37 @@ class HFMethod(Method):
         return Run(tokens, (timer.first_token_at or start + latency) - start, latency, {"new_tokens": len(tokens)})
 
 
+class LlamaCppMethod(Method):
+    """llama.cpp decoding the same GGUF through llama-cpp-python's high-level API: the tool a CPU user would run."""
+
+    kind = "baseline"
+
+    def __init__(self, name: str, gguf: str, eos: frozenset[int], threads: int | None, window: int, prompt_lookup: bool = False):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.name, self.eos = name, eos
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=HF_PLD_TOKENS) if prompt_lookup else None
+        self.llm = Llama(model_path=str(gguf), n_ctx=window, n_threads=threads, n_threads_batch=threads, verbose=False,
+                         draft_model=draft)
+        self.settings = dict(engine="llama-cpp-python Llama", prompt_lookup=HF_PLD_TOKENS if prompt_lookup else None)
+
+    def run(self, input_ids, max_new_tokens, sampling):
+        greedy = sampling.greedy
+        options = dict(temp=0.0) if greedy else dict(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        tokens, first = [], None
+        start = time.perf_counter()
+        for token in self.llm.generate(input_ids[0].tolist(), min_p=0.0, reset=True, **{"top_k": 0, "top_p": 1.0, **options}):
+            first = first or time.perf_counter()
+            if token in self.eos:
+                break
+            tokens.append(token)
+            if len(tokens) >= max_new_tokens:
+                break
+        latency = time.perf_counter() - start
+        return Run(tokens, (first or start + latency) - start, latency, {"new_tokens": len(tokens)})
+
+
 def parse_spec_method(name: str, default_draft: str, default_k: int | None, default_adaptive: bool | None = None) -> tuple[str, int, bool]:
     """'spec[:DRAFTER[:K]]' -> (drafter spec, k, adaptive). K is a number (fixed) or aN (adaptive, at
     most N); without K, default_adaptive decides, else the `auto` drafters are adaptive (k ≤ 8) and the
@@ -124,14 +157,19 @@ def parse_spec_method(name: str, default_draft: str, default_k: int | None, defa
 
 def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: str, default_k: int | None, dtype,
                   default_adaptive: bool | None = None, compile_draft: bool = False,
-                  drafters: dict[str, Drafter | None] | None = None) -> list[Method]:
+                  drafters: dict[str, Drafter | None] | None = None, threads: int | None = None) -> list[Method]:
     """Parse method names; draft models are loaded once and shared between methods (and between calls that
-    pass the same `drafters` dict). compile_draft: `auto` compiles its draft step (paid at load, not in any timing)."""
+    pass the same `drafters` dict). compile_draft: `auto` compiles its draft step (paid at load, not in any timing).
+    `target`: a transformers model (torch backend) or a LlamaCppBackend."""
+    from ..backends import Backend
+
     drafters = {} if drafters is None else drafters
+    on_llama = isinstance(target, Backend) and target.name == "llama.cpp"
 
     def drafter_for(spec: str) -> Drafter | None:
         if spec not in drafters:
-            drafters[spec] = make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=target, compile_draft=compile_draft)
+            drafters[spec] = (make_llama_drafter(spec, target, threads) if on_llama else
+                              make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=target, compile_draft=compile_draft))
         return drafters[spec]
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -142,6 +180,12 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
         elif name == "spec" or name.startswith("spec:"):
             spec, k, adaptive = parse_spec_method(name, default_draft, default_k, default_adaptive)
             methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k, adaptive))
+        elif name in ("llama-cpp", "llama-cpp-pld"):
+            if not on_llama:
+                raise ValueError(f"{name} runs the target's GGUF with llama.cpp: use --backend llama.cpp (or auto) and a GGUF target")
+            methods.append(LlamaCppMethod(name, target.model.path, eos, threads, target.context_window, name.endswith("pld")))
+        elif name.startswith("hf-") and on_llama:
+            raise ValueError(f"{name} runs transformers: use --backend torch for it")
         elif name == "hf-greedy":
             methods.append(HFMethod(name, target, eos, pad))
         elif name == "hf-assisted":
@@ -153,7 +197,8 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
         elif name == "hf-pld":
             methods.append(HFMethod(name, target, eos, pad, prompt_lookup_num_tokens=HF_PLD_TOKENS))
         else:
-            raise ValueError(f"unknown method {name!r}: use plain, spec[:DRAFTER[:K]], hf-greedy, hf-assisted or hf-pld")
+            raise ValueError(f"unknown method {name!r}: use plain, spec[:DRAFTER[:K]], hf-greedy, hf-assisted, hf-pld, "
+                             "llama-cpp or llama-cpp-pld")
     if len({m.name for m in methods}) != len(methods):
         raise ValueError("each method may be named once")
     return methods

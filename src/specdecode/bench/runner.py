@@ -24,26 +24,40 @@ class BenchConfig:
     warmup: bool = True
 
 
-def environment(target, dtype: torch.dtype) -> dict:
-    import transformers
-
-    cpu = platform.processor()
+def cpu_features() -> dict:
+    """The CPU's model name and the flags that decide what wins on it (a result names both)."""
+    name, flags = platform.processor(), set()
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("model name") and not flags:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
+    return dict(cpu=name, avx2="avx2" in flags, avx512f="avx512f" in flags, avx512_bf16="avx512_bf16" in flags)
+
+
+def environment(target, threads: int | None = None) -> dict:
+    """Versions, backend and CPU of a run; `target` is a transformers model or a Backend."""
+    import transformers
+
+    from ..backends import Backend
+
+    if isinstance(target, Backend):
+        backend, device = target.describe(), "cpu"
+    else:
+        backend, device = f"torch, {str(target.dtype).replace('torch.', '')}", str(target.device)
     return dict(
         python=platform.python_version(),
         torch=torch.__version__,
         transformers=transformers.__version__,
-        dtype=str(dtype).replace("torch.", ""),
-        threads=torch.get_num_threads(),
-        cpu=cpu,
+        backend=backend,
+        threads=threads or torch.get_num_threads(),
+        **cpu_features(),
         cores=os.cpu_count(),
-        device=str(target.device),
+        device=device,
         cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     )
 

@@ -51,6 +51,8 @@ class Drafter(ABC):
 
     name: str = "drafter"
     forward_passes: int = 0  # model forward passes so far (stays 0 for model-free drafters)
+    # Runner-up tokens a draft may carry per drafted position (Draft.alternatives: tree leaves, tree.py).
+    alternatives: int = 0
 
     def reset(self) -> None:
         """Forget the previous sequence."""

@@ -10,16 +10,10 @@ import time
 import torch
 from transformers import DynamicCache
 
+from ..backends.torchmodel import rollback
 from ..sampling import SamplingParams, logits_to_probs, sample
 from .base import Draft, Drafter
 from .quant import RestrictedHead, quantize
-
-
-def rollback(cache: DynamicCache, keep_len: int) -> None:
-    """Drop every cached position from keep_len on (transformers 5 crops with a negative count)."""
-    extra = cache.get_seq_length() - keep_len
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -130,10 +130,12 @@ class Service:
 
     @classmethod
     def from_specs(cls, target: str, draft: str | None, *, dtype=None, threads: int | None = None,
-                   k: int | None = None, adaptive: bool | None = None, compile_draft: bool = False, **kwargs) -> "Service":
+                   k: int | None = None, adaptive: bool | None = None, compile_draft: bool = False, backend: str = "auto",
+                   **kwargs) -> "Service":
         scheduler = SchedulerThread()  # loads the models: the thread that will step them (see SchedulerThread)
         model, tokenizer, drafter, k, adaptive = scheduler.submit(
             load_components, target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft,
+            backend=backend, max_rows=kwargs.get("max_batch", 8),
         ).result()
         return cls(model, tokenizer, drafter, model_name=kwargs.pop("model_name", None) or target,
                    k=k, adaptive=adaptive, scheduler=scheduler, **kwargs)

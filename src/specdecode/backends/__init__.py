@@ -1,0 +1,47 @@
+"""Model backends: the torch backend (transformers models) and the llama.cpp backend (GGUF files)."""
+
+from __future__ import annotations
+
+import sys
+
+from .base import Backend, BackendError
+
+__all__ = ["BACKENDS", "Backend", "BackendError", "as_backend", "choose_backend"]
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+
+
+def as_backend(target, **torch_options) -> Backend:
+    """A Backend as is; a transformers model wrapped in the torch backend."""
+    if isinstance(target, Backend):
+        return target
+    from .torchmodel import TorchBackend
+
+    return TorchBackend(target, **torch_options)
+
+
+def choose_backend(name: str, spec: str) -> str:
+    """'auto' -> llama.cpp for a GGUF file or a built-in on a CPU (its quantized kernels are the fastest pass
+    there), torch otherwise (Hugging Face directories, hub ids, GPUs). An explicit choice is checked."""
+    import torch
+
+    from ..models import is_gguf_spec
+    from .llamacpp import INSTALL_HINT, available
+
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: use one of {', '.join(BACKENDS)}")
+    if name == "torch":
+        return name
+    if name == "llama.cpp":
+        if not is_gguf_spec(spec):
+            raise ValueError(f"the llama.cpp backend runs GGUF files: {spec!r} is neither a built-in name nor a .gguf path")
+        if not available():
+            raise BackendError(INSTALL_HINT)
+        return name
+    if torch.cuda.is_available() or not is_gguf_spec(spec):
+        return "torch"
+    if not available():
+        print(f"[specdecode] llama-cpp-python is not installed: running {spec} on the torch backend (slower on a CPU; "
+              "pip install llama-cpp-python==0.3.36 for llama.cpp)", file=sys.stderr)
+        return "torch"
+    return "llama.cpp"

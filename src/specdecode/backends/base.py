@@ -1,0 +1,88 @@
+"""The model-backend protocol: everything the engine needs from a target model, and nothing more.
+
+A backend holds the K/V cache of every row (a sequence decoded in the batch). Rows are numbered
+0..rows-1 in the order they joined; removing rows renumbers the rest in order. The engine keeps the
+invariant that a row's cache holds every committed token but the last, which it feeds at the next pass.
+
+A pass feeds each row a few inputs: [last committed token] + its draft (+ tree leaves). Input j of row b
+stands at position `length(b) + offsets[b, j]` and attends the row's cache and the inputs of this pass
+that `visibility[b, j]` marks (default: a causal chain). After the pass `keep` says, per row, which of
+its inputs stay in its cache, in order, as its next positions: a prefix for a chain (a rollback of the
+rejected tokens), a prefix plus a leaf for a tree (the leaf's K/V move to the slot it stood for).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class BackendError(RuntimeError):
+    """A backend cannot do what was asked (missing dependency, unsupported model or feature)."""
+
+
+class Backend(ABC):
+    name: str = "backend"
+    vocab_size: int
+    context_window: int | None = None  # the most positions a row may hold (None: the model does not say)
+    eos_token_ids: frozenset[int] = frozenset()
+    # Scores passes whose inputs attend by an explicit visibility (tree leaves); False: chains only.
+    supports_tree: bool = False
+    max_rows: int | None = None  # rows it can hold side by side (None: as many as memory allows)
+
+    @property
+    def near_tie_gap(self) -> float:
+        """Below this top-2 logit gap, a wide pass and a one-token pass may pick different tokens by rounding alone."""
+        return 1e-3
+
+    def describe(self) -> str:
+        return self.name
+
+    @property
+    @abstractmethod
+    def rows(self) -> int:
+        """Rows in the batch now."""
+
+    @abstractmethod
+    def length(self, row: int) -> int:
+        """Positions the row's cache holds."""
+
+    @abstractmethod
+    def add_row(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Read a prompt [1, L] into a new last row; returns the logits after its last token [1, V] (fp32, CPU).
+        On failure (out of memory, say) no row is added and the others are untouched."""
+
+    @abstractmethod
+    def forward(
+        self, tokens: torch.Tensor, widths: list[int], offsets: torch.Tensor | None = None,
+        visibility: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One pass over all rows. tokens [B, W] (row b's inputs are its first widths[b]; the rest is padding),
+        offsets [B, W] (default: 0..W-1), visibility [B, W, W] bool (default: causal). Returns fp32 logits on the
+        CPU [B, W, V]. The pass's K/V stay pending until `keep`."""
+
+    @abstractmethod
+    def keep(self, kept: list[list[int]]) -> None:
+        """After `forward`: row b keeps its inputs kept[b] (indices into the pass, increasing, starting with 0) as
+        its next len(kept[b]) positions; every other input of the pass is forgotten."""
+
+    @abstractmethod
+    def truncate(self, row: int, length: int) -> None:
+        """Forget the row's positions from `length` on (no pass pending)."""
+
+    @abstractmethod
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop these rows (their cache is freed); the others keep their order."""
+
+    def clear(self) -> None:
+        """Drop every row."""
+        self.remove_rows(list(range(self.rows)))
+
+    def check_visibility(self, visibility: torch.Tensor | None) -> None:
+        if visibility is not None and not self.supports_tree:
+            raise BackendError(f"the {self.name} backend verifies chains only (no tree leaves)")
+
+
+def chain_offsets(batch: int, width: int) -> torch.Tensor:
+    return torch.arange(width).repeat(batch, 1)
