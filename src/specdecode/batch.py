@@ -180,8 +180,6 @@ class BatchEngine:
                     continue
             drafts.append(draft)
             draft_s.append(time.perf_counter() - t0 - seq.step_prefill_s)  # a deferred prompt reading is not drafting
-            if seq.step_prefill_s and controller is not None:
-                controller.costs.observe_draft_prefill(seq.prompt.shape[1], seq.step_prefill_s)
             seq.stats.draft_time_s += draft_s[-1]
         report.draft_s = sum(draft_s)
         self._leave(failed, report)

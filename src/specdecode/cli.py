@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from .backends import BackendError
 from .models import BUILTINS, DEFAULT_DRAFT, DEFAULT_TARGET, ModelError
 
 
@@ -143,11 +144,14 @@ def cmd_models(args) -> int:
 
     from .models import describe_builtins, prepare
 
-    if args.action == "pull":
+    action, *names = args.words or ["list"]
+    if action not in ("list", "pull") or (action == "list" and names):
+        raise ValueError(f"models takes `list` or `pull [NAME ...]`, not {' '.join(args.words)!r}")
+    if action == "pull":
         from .backends import choose_backend
         from .models import gguf_file
 
-        for name in args.names or list(BUILTINS):
+        for name in names or list(BUILTINS):
             # llama.cpp reads the GGUF itself; torch needs the one-off conversion (~10 GB in fp32 for the Qwen pair)
             path = gguf_file(name) if choose_backend(args.backend, name) == "llama.cpp" else prepare(name)
             print(f"{name}: {path}")
@@ -484,10 +488,9 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_tune)
 
     m = sub.add_parser("models", help="list the built-in models, or `models pull [NAME...]` to install and convert")
-    m.add_argument("action", nargs="?", choices=["list", "pull"], default="list")
+    m.add_argument("words", nargs="*", metavar="list | pull [NAME ...]")
     m.add_argument("--backend", choices=["auto", "torch", "llama.cpp"], default="auto",
                    help="pull for this backend: llama.cpp keeps the GGUF as is, torch converts it once (default: auto)")
-    m.add_argument("names", nargs="*")
     m.set_defaults(func=cmd_models)
     return parser
 
@@ -514,10 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if defaults:
         parser = build_parser(defaults)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "models" and not any(e.startswith("-") for e in extra):
+        args.words += extra  # names after an option (`models pull --backend X NAME ...`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except (ValueError, ModelError) as e:
+    except (ValueError, ModelError, BackendError) as e:
         print(f"specdecode: error: {e}", file=sys.stderr)
         return 2
 

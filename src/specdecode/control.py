@@ -163,8 +163,11 @@ class FixedK:
     def __init__(self, k: int):
         self.max_k = k
 
-    def plan(self, max_len: int, ready: bool = True) -> int:
+    def plan(self, max_len: int, ready: bool = True, unread: int = 0) -> int:
         return min(self.max_k, max_len)
+
+    def observe_reading(self, tokens: int, seconds: float) -> None:
+        pass
 
     def keep_going(self, drafted: int, confidence: float) -> bool:
         return True
@@ -200,6 +203,7 @@ class AdaptiveK:
         self.calibrator = ConfidenceCalibrator()
         self.first_accept = Ema(0.2, 0.6)  # acceptance of a step's first draft token, any confidence
         self.plain_steps = 0
+        self.lookup_skips = 0  # lookup drafts trimmed to nothing since the last one verified (trim's own probes)
         self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
         self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
         # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
@@ -241,10 +245,16 @@ class AdaptiveK:
         return (1 + a + (1 - a) * self._leaf_hit(leaves_on)) / (self.costs.draft_time() + self._verify_model_draft(2, leaves_on))
 
     def _best_case_rate(self, t_plain: float) -> float:
-        """Tokens per second of the best draft length if the target accepted every drafted token and verifying
-        cost no more than a plain pass: an upper bound (unmeasured wide passes must not make drafting look hopeless)."""
+        """Tokens per second of the best draft length if the target accepted every drafted token: with passes as the
+        measured line prices them, or, before it has a slope, as if verifying cost no more than a plain pass (an upper
+        bound: guessed wide passes must not make drafting look hopeless)."""
         t_draft = self.costs.draft_time()
-        return max((k + 1) / (k * t_draft + t_plain) for k in range(1, self.max_k + 1))
+        measured = self.pass_line.slope is not None
+
+        def verify(k: int) -> float:
+            return self._verify_model_draft(k + 1, False) if measured else t_plain
+
+        return max((k + 1) / (k * t_draft + verify(k)) for k in range(1, self.max_k + 1))
 
     def _choose_leaves(self) -> None:
         """Leaves pay where a wider pass is nearly free (AVX-512 bf16: 25 positions ~ 9) and lose where every position
@@ -252,8 +262,18 @@ class AdaptiveK:
         self.leaves_on = bool(self.leaves) and (
             self.pass_line.slope is None or self._speculative_rate(True) >= self._speculative_rate(False))
 
-    def plan(self, max_len: int, ready: bool = True) -> int:
-        """0 means: do not draft this step (plain decoding). ready: the row's drafter has read its prompt."""
+    def observe_reading(self, tokens: int, seconds: float) -> None:
+        """A drafter read `tokens` committed tokens (its prompt, or a catch-up after plain steps) in `seconds`."""
+        self.costs.observe_draft_prefill(tokens, seconds)
+
+    # Reading what a drafter has not seen (a long prompt, a catch-up after plain steps) must cost less than this share
+    # of the plain decoding time left: on llama.cpp with 2 cores a 0.5B draft reads ~4.6 ms a token, so a probe on an
+    # 800-token prompt cost 3.7 s, a third of the whole request.
+    READ_SHARE = 0.25
+
+    def plan(self, max_len: int, ready: bool = True, unread: int = 0) -> int:
+        """0 means: do not draft this step (plain decoding). ready: the row's drafter has read its prompt; unread:
+        tokens it would have to read before drafting."""
         if max_len <= 0:
             return 0
         if self.batch_cap is not None:  # the batch decided
@@ -271,6 +291,10 @@ class AdaptiveK:
         self._choose_leaves()
         self._expected, self._elapsed, self._survive = 1.0, self._verify(1), 1.0
         if not self.costs.measured(1):  # first a plain pass: drafting is judged against it (a plain step never loses)
+            return 0
+        per_token = self.costs.draft_prefill_token_s.value
+        if per_token is not None and unread * per_token > self.READ_SHARE * max_len * t_plain:
+            self.skipped_steps += 1
             return 0
         if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
             return min(self.START_DRAFT, self.max_k, max_len)
@@ -398,10 +422,10 @@ class AdaptiveK:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
-        if best_len == 0 and self.plain_steps >= self.probe_every:  # probe now and then
-            best_len, self.plain_steps = 1, 0
+        if best_len == 0 and self.lookup_skips >= self.probe_every:  # probe now and then
+            best_len, self.lookup_skips = 1, 0
         elif best_len == 0:
-            self.plain_steps += 1
+            self.lookup_skips += 1
         draft.truncate(best_len)
         return draft
 

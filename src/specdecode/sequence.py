@@ -174,14 +174,20 @@ class Sequence:
             return draft
         budget = self.draft_budget
         controller.max_k = self.k
-        draft_len = controller.plan(budget, self.drafter_ready)
+        unread = self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
+        draft_len = controller.plan(budget, self.drafter_ready, unread)
         if draft_len > 0:
             if not self.drafter_ready:
                 self.step_prefill_s = self._prefill_drafter()
+                controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)
             passes_before = self.drafter.forward_passes
             draft = controller.trim(self.drafter.propose(self.ids, draft_len, self.sampling, self.generator, controller.keep_going))
+            if draft.reading_s:  # a catch-up pass over all but the last unread token
+                controller.observe_reading(unread - 1, draft.reading_s)
             draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
             self.stats.draft_passes += self.drafter.forward_passes - passes_before
+        elif budget > 0:  # model drafting does not pay this step; a lookup that costs nothing still may
+            draft = controller.trim(self.propose_free())
         if draft.length == 0 and budget > 0:
             self.stats.plain_steps += 1
         return draft

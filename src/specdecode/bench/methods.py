@@ -121,14 +121,17 @@ class LlamaCppMethod(Method):
 
         self.name, self.eos = name, eos
         draft = LlamaPromptLookupDecoding(num_pred_tokens=HF_PLD_TOKENS) if prompt_lookup else None
-        self.llm = Llama(model_path=str(gguf), n_ctx=window, n_threads=threads, n_threads_batch=threads, verbose=False,
-                         draft_model=draft)
+        # n_ctx past the window by a batch: near a full context llama-cpp-python's prompt-lookup path writes a whole
+        # 512-token batch of scores past its buffer's end
+        self.llm = Llama(model_path=str(gguf), n_ctx=window + 512, n_threads=threads, n_threads_batch=threads,
+                         verbose=False, draft_model=draft)
         self.settings = dict(engine="llama-cpp-python Llama", prompt_lookup=HF_PLD_TOKENS if prompt_lookup else None)
 
     def run(self, input_ids, max_new_tokens, sampling):
         greedy = sampling.greedy
         options = dict(temp=0.0) if greedy else dict(temp=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         tokens, first = [], None
+        self.llm.reset()  # no prefix reuse from the last prompt: every method starts each prompt cold
         start = time.perf_counter()
         for token in self.llm.generate(input_ids[0].tolist(), min_p=0.0, reset=True, **{"top_k": 0, "top_p": 1.0, **options}):
             first = first or time.perf_counter()

@@ -75,6 +75,10 @@ class Drafter(ABC):
         before each further token, so a controller can stop a draft that will likely be rejected.
         """
 
+    def unread(self, input_ids: torch.Tensor) -> int:
+        """Committed tokens it would have to read before its next draft (0: it needs no context pass)."""
+        return 0
+
     def propose_free(self, input_ids: torch.Tensor, k: int) -> Draft:
         """Up to k tokens that cost no model pass (a lookup), or an empty draft. Greedy or sampled alike:
         such drafts are deterministic (q one-hot). Under load a batch drafts only these."""

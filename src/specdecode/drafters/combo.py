@@ -32,6 +32,9 @@ class ComboDrafter(Drafter):
         self.model.reset()
         self.ngram.reset()
 
+    def unread(self, input_ids) -> int:
+        return self.model.unread(input_ids)
+
     def prefill(self, prompt_ids) -> None:
         self.model.prefill(prompt_ids)
 

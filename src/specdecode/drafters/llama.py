@@ -34,6 +34,9 @@ class LlamaDrafter(Drafter):
         self.backend.clear()
         self.cached_ids = torch.empty(1, 0, dtype=torch.long)
 
+    def unread(self, input_ids: torch.Tensor) -> int:
+        return max(input_ids.shape[1] - self.cached_ids.shape[1], 0)
+
     def check_vocab(self, vocab_size: int, tokenizer=None) -> None:
         if self.backend.vocab_size != vocab_size:
             raise ValueError(

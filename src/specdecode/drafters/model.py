@@ -74,6 +74,9 @@ class ModelDrafter(Drafter):
         self.cache = DynamicCache(config=self.model.config)
         self.cached_ids = torch.empty(1, 0, dtype=torch.long)  # tokens whose K/V the cache holds
 
+    def unread(self, input_ids: torch.Tensor) -> int:
+        return max(input_ids.shape[1] - self.cached_ids.shape[1], 0)
+
     def check_vocab(self, vocab_size: int, tokenizer=None) -> None:
         own = self.model.get_output_embeddings().weight.shape[0]
         if own != vocab_size:
