@@ -44,9 +44,10 @@ bench: setup
 	$(BIN)/specdecode bench --backend torch --dtype bf16 --threads $(THREADS) --per-task 3 --max-new-tokens 128 \
 		--draft qwen2.5-coder-0.5b --methods $(BENCH_METHODS) --out $(BENCH_OUT)
 
-## The same pair on the llama.cpp backend (its Q4_K_M GGUFs as they are) against llama.cpp's own plain and
-## prompt-lookup decoding, 2 prompts per task, 128 new tokens (about 10 minutes on 2 cores).
-LLAMA_METHODS ?= plain,llama-cpp,llama-cpp-pld,spec:ngram,spec:auto
+## The same pair on the llama.cpp backend (its Q4_K_M GGUFs as they are) against llama.cpp's own plain decoding, with
+## n-gram speculation, 2 prompts per task, 128 new tokens (about 5 minutes on 2 cores; llama-cpp-pld crashes inside
+## llama-cpp-python on long prompts, see docs/results.md).
+LLAMA_METHODS ?= plain,llama-cpp,spec:ngram,spec:auto
 bench-llama: setup
 	$(BIN)/specdecode models pull --backend llama.cpp qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(BIN)/specdecode bench --backend llama.cpp --threads $(THREADS) --per-task 2 --max-new-tokens 128 \

@@ -6,8 +6,8 @@ alternating order, one process per tree holding its models (only one computes at
     scripts/ab-compare.py --a /tmp/before/src --b src --per-task 2 -- --target qwen2.5-coder-1.5b --draft auto \\
         --dtype bf16 --threads 2 --backend torch
 
-Everything after `--` goes to `SpecDecoder.from_specs` (as --name value pairs; the old tree may not know --backend:
-pass it only when both do). Prints per-prompt tok/s ratios b/a, their mean, median and min–max, and whether the
+Everything after `--` goes to `SpecDecoder.from_specs` (as --name value pairs); an option a tree's from_specs does not
+take (--backend, before backends existed) is left out there, with a notice. Prints per-prompt tok/s ratios b/a, their mean, median and min–max, and whether the
 outputs are identical; writes them as JSON with --out.
 """
 
@@ -27,7 +27,13 @@ from specdecode.prompts import load_prompts
 options = json.loads(sys.argv[1])
 prompts = load_prompts(None, per_task=options.pop("per_task"))
 max_new_tokens = options.pop("max_new_tokens")
-decoder = SpecDecoder.from_specs(options.pop("target"), options.pop("draft"), **options)
+import inspect
+known = inspect.signature(SpecDecoder.from_specs).parameters
+dropped = sorted(set(options) - set(known))  # e.g. backend, on a tree from before backends (torch only there)
+if dropped:
+    print(f"[ab-compare] {sys.path[0] or '.'}: from_specs takes no {dropped}; left out", file=sys.stderr)
+decoder = SpecDecoder.from_specs(options.pop("target"), options.pop("draft"),
+                                 **{k: v for k, v in options.items() if k in known})
 decoder.generate(prompts[0].text, chat=True, max_new_tokens=4)  # one-time costs out of every timing
 print(json.dumps({"ready": len(prompts)}), flush=True)
 for line in sys.stdin:

@@ -230,7 +230,8 @@ def test_a_row_alone_learns_the_pass_line(target):
     """One step for every path: a lone request in the batched engine (the server at one request) feeds the cost
     model exactly as `generate` does. The batched engine once never drew the pass line, so it ran an older rule."""
     engine = BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4)
-    engine.controller.min_gain = 0.0  # keep drafting, so pass widths vary
+    engine.controller.min_gain = 0.0  # keep drafting, so pass widths vary...
+    engine.controller.trim = lambda draft: draft  # ...whatever sub-millisecond timings say about lookups
     engine.generate_all([dict(input_ids=random_prompt(0, 6).repeat(1, 4), max_new_tokens=40)])  # lookups find runs
     line = engine.controller.pass_line
     assert line.slope_samples and line.level.value is not None

@@ -291,7 +291,13 @@ def test_chat_logprobs_streamed_and_whole_agree(server):
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
                 streamed += (choice.get("logprobs") or {}).get("content", [])
-    assert streamed == whole
+    # The same tokens and top lists; values equal up to rounding, since the controller (which learns across requests)
+    # may verify a token in a pass of another width the second time.
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+    for s, w in zip(streamed, whole):
+        assert [t["token"] for t in s["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+        assert s["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
+        assert [t["logprob"] for t in s["top_logprobs"]] == pytest.approx([t["logprob"] for t in w["top_logprobs"]], abs=1e-5)
 
 
 def test_sampled_logprobs_are_of_the_processed_distribution(server, target, tokenizer):

@@ -121,10 +121,10 @@ class LlamaCppMethod(Method):
 
         self.name, self.eos = name, eos
         draft = LlamaPromptLookupDecoding(num_pred_tokens=HF_PLD_TOKENS) if prompt_lookup else None
-        # n_ctx past the window by a batch: near a full context llama-cpp-python's prompt-lookup path writes a whole
-        # 512-token batch of scores past its buffer's end
+        # flash attention as llama.cpp's default context (auto: on for a CPU) and ours have it: the same kernels, so
+        # the same greedy tokens; `Llama` alone would turn it off
         self.llm = Llama(model_path=str(gguf), n_ctx=window + 512, n_threads=threads, n_threads_batch=threads,
-                         verbose=False, draft_model=draft)
+                         verbose=False, draft_model=draft, flash_attn=True)
         self.settings = dict(engine="llama-cpp-python Llama", prompt_lookup=HF_PLD_TOKENS if prompt_lookup else None)
 
     def run(self, input_ids, max_new_tokens, sampling):
