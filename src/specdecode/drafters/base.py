@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass
@@ -40,6 +40,15 @@ class Draft:
     @staticmethod
     def empty(batch: int = 1, device: torch.device | str = "cpu") -> "Draft":
         return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
+
+
+def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft token from the draft's logits [B, V] and the distribution q it came from: the argmax (q = softmax,
+    for its confidence) when greedy, else a sample from the processed q (which must go with the draft: lossless rule)."""
+    if sampling.greedy:
+        return logits.argmax(-1), torch.softmax(logits, -1)
+    q = logits_to_probs(logits, sampling)
+    return sample(q, generator), q
 
 
 class Drafter(ABC):

@@ -7,8 +7,8 @@ import time
 import torch
 
 from ..backends.llamacpp import LlamaCppBackend
-from ..sampling import SamplingParams, logits_to_probs, sample
-from .base import Draft, Drafter
+from ..sampling import SamplingParams
+from .base import Draft, Drafter, draw
 from .model import common_prefix_len
 
 
@@ -89,12 +89,8 @@ class LlamaDrafter(Drafter):
                 break
             if i:
                 logits = self._read(tokens[-1][:, None])
-            if sampling.greedy:
-                token = logits.argmax(-1)
-                q = torch.softmax(logits, -1)
-            else:
-                q = logits_to_probs(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(logits, sampling, generator)
+            if not sampling.greedy:
                 probs.append(q)
             tokens.append(token)
             confidence.append(float(q[0, token[0]]))

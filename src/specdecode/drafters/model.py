@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from ..backends.torchmodel import rollback
-from ..sampling import SamplingParams, logits_to_probs, sample
-from .base import Draft, Drafter
+from ..sampling import SamplingParams
+from .base import Draft, Drafter, draw
 from .quant import RestrictedHead, quantize
 
 
@@ -162,13 +162,8 @@ class ModelDrafter(Drafter):
         for i in range(k):
             if i and keep_going is not None and not keep_going(i, confidence[-1]):
                 break
-            logits = self._next_logits(pending)
-            if sampling.greedy:
-                token = logits.argmax(-1)
-                q = torch.softmax(logits, -1)
-            else:
-                q = logits_to_probs(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(self._next_logits(pending), sampling, generator)
+            if not sampling.greedy:
                 probs.append(q)
             tokens.append(token)
             if self.alternatives:
