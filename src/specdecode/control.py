@@ -204,6 +204,8 @@ class AdaptiveK:
         self.first_accept = Ema(0.2, 0.6)  # acceptance of a step's first draft token, any confidence
         self.plain_steps = 0
         self.lookup_skips = 0  # lookup drafts trimmed to nothing since the last one verified (trim's own probes)
+        self.lookup_probe_interval = probe_every  # doubles while lookup probes are rejected (a verified position is dear
+        # on llama.cpp: ~60 % of a pass), back to probe_every when one is accepted
         self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
         self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
         # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
@@ -246,13 +248,15 @@ class AdaptiveK:
 
     def _best_case_rate(self, t_plain: float) -> float:
         """Tokens per second of the best draft length if the target accepted every drafted token: with passes as the
-        measured line prices them, or, before it has a slope, as if verifying cost no more than a plain pass (an upper
-        bound: guessed wide passes must not make drafting look hopeless)."""
+        measured line prices them, or, before it has a slope, as the measured one- and two-position passes extend
+        linearly (no guess from the table's conservative extrapolation: that must not make drafting look hopeless)."""
         t_draft = self.costs.draft_time()
         measured = self.pass_line.slope is not None
+        # Before the line has a slope, widths 1 and 2 measured give one (passes grow at least linearly past them)
+        step = max(self.costs.verify_time(2) - t_plain, 0.0) if self.costs.measured(2) else 0.0
 
         def verify(k: int) -> float:
-            return self._verify_model_draft(k + 1, False) if measured else t_plain
+            return self._verify_model_draft(k + 1, False) if measured else t_plain + step * k
 
         return max((k + 1) / (k * t_draft + verify(k)) for k in range(1, self.max_k + 1))
 
@@ -422,8 +426,9 @@ class AdaptiveK:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
-        if best_len == 0 and self.lookup_skips >= self.probe_every:  # probe now and then
+        if best_len == 0 and self.lookup_skips >= self.lookup_probe_interval:  # probe now and then, less while they lose
             best_len, self.lookup_skips = 1, 0
+            self.lookup_probe_interval = min(2 * self.lookup_probe_interval, self.MAX_PROBE_INTERVAL)
         elif best_len == 0:
             self.lookup_skips += 1
         draft.truncate(best_len)
@@ -461,6 +466,8 @@ class AdaptiveK:
         if confidences:
             self.calibrator.update(confidences, accepted)
         else:
+            if accepted:
+                self.lookup_probe_interval = self.probe_every
             accept = self._position_accept(source)
             for j in range(min(drafted, accepted + 1, len(accept))):
                 accept[j].update(1.0 if j < accepted else 0.0)
