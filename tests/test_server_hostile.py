@@ -17,8 +17,9 @@ from tiny import tiny_model
 
 @pytest.fixture(scope="module")
 def server(target, near_draft, tokenizer):
-    service = Service(target, tokenizer, ModelDrafter(near_draft), model_name=MODEL, k=4, adaptive=True, max_batch=4)
-    service.engine.controller.min_gain = 0.0  # tiny models: the gate would keep a lone request's drafting off (test_server)
+    # Fixed k: these tests are about the protocol, and with tiny models the adaptive controller's timings (a draft step
+    # costs a target pass) would keep drafting off for a lone request.
+    service = Service(target, tokenizer, ModelDrafter(near_draft), model_name=MODEL, k=4, adaptive=False, max_batch=4)
     with RunningServer(service, max_body_bytes=1 << 20) as running:
         yield running
 
@@ -292,8 +293,8 @@ def test_chat_logprobs_streamed_and_whole_agree(server):
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
                 streamed += (choice.get("logprobs") or {}).get("content", [])
-    # The same tokens and top lists; values equal up to rounding, since the controller (which learns across requests)
-    # may verify a token in a pass of another width the second time.
+    # The same tokens and top lists; values equal up to rounding: beside other work a token may be verified in a
+    # pass of another shape the second time.
     assert [e["token"] for e in streamed] == [e["token"] for e in whole]
     for s, w in zip(streamed, whole):
         assert [t["token"] for t in s["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
