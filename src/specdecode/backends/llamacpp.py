@@ -165,21 +165,32 @@ class LlamaCppBackend(Backend):
         if self.rows >= self.max_rows:
             raise BackendError(f"this llama.cpp context holds {self.max_rows} rows")
         seq = min(set(range(self.max_rows)) - set(self._seqs))
-        tokens = prompt[0].tolist()
+        logits = self._read(seq, 0, prompt[0].tolist())
+        self._seqs.append(seq)
+        self._lengths.append(prompt.shape[1])
+        return logits
+
+    def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [1, n] to a row's cache -> the logits after the last [1, V] (only that position's output
+        head is computed: a drafter catching up needs no other)."""
+        logits = self._read(self._seqs[row], self._lengths[row], tokens[0].tolist())
+        self._lengths[row] += tokens.shape[1]
+        return logits
+
+    def _read(self, seq: int, start: int, tokens: list[int]) -> torch.Tensor:
+        """Decode tokens at positions start.. of a sequence in batches, logits at the last only; on failure the
+        sequence is left as it was."""
         step = self.context.n_batch
         try:
-            for start in range(0, len(tokens), step):
-                chunk = tokens[start : start + step]
-                last = start + len(chunk) == len(tokens)
-                out = self.context.decode(chunk, list(range(start, start + len(chunk))), [seq] * len(chunk),
-                                          [False] * (len(chunk) - 1) + [last])
+            for offset in range(0, len(tokens), step):
+                chunk = tokens[offset : offset + step]
+                last = offset + len(chunk) == len(tokens)
+                positions = list(range(start + offset, start + offset + len(chunk)))
+                out = self.context.decode(chunk, positions, [seq] * len(chunk), [False] * (len(chunk) - 1) + [last])
         except Exception:
-            self.context.forget(seq)
+            self.context.forget(seq, start)
             raise
-        logits = torch.from_numpy(out[-1:].copy())
-        self._seqs.append(seq)
-        self._lengths.append(len(tokens))
-        return logits
+        return torch.from_numpy(out[-1:].copy())
 
     def forward(self, tokens, widths, offsets=None, visibility=None):
         self.check_visibility(visibility)
@@ -192,6 +203,9 @@ class LlamaCppBackend(Backend):
             positions += (self._lengths[row] + offsets[row, :n]).tolist()
             seqs += [self._seqs[row]] * n
         out = self.context.decode(flat_tokens, positions, seqs, [True] * len(flat_tokens))
+        self._pending = list(widths)
+        if B == 1 and widths[0] == W:  # no padding to fill: one copy out of llama.cpp's buffer
+            return torch.from_numpy(out.copy()).view(1, W, self.vocab_size)
         logits = torch.zeros(B, W, self.vocab_size)
         start = 0
         for row in range(B):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +50,21 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Genera
         return logits.argmax(-1), torch.softmax(logits, -1)
     q = logits_to_probs(logits, sampling)
     return sample(q, generator), q
+
+
+# After a fully accepted draft two tokens are new (the last drafted one and the target's); more means the drafter sat
+# out steps. Those it reads in a pass of its own, timed apart (Draft.reading_s): a one-off catch-up, not drafting.
+USUAL_PENDING = 2
+
+
+def catch_up(read: Callable[[torch.Tensor], object], pending: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Read all but the last of more than USUAL_PENDING new tokens [1, n] with `read`; returns what is left to feed
+    with the first draft step and the seconds the catch-up took."""
+    if pending.shape[1] <= USUAL_PENDING:
+        return pending, 0.0
+    t0 = time.perf_counter()
+    read(pending[:, :-1])
+    return pending[:, -1:], time.perf_counter() - t0
 
 
 class Drafter(ABC):

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 
 import torch
 
 from ..backends.llamacpp import LlamaCppBackend
 from ..sampling import SamplingParams
-from .base import Draft, Drafter, draw
+from .base import Draft, Drafter, catch_up, draw
 from .model import common_prefix_len
 
 
@@ -16,8 +15,6 @@ class LlamaDrafter(Drafter):
     """Drafts token by token on a one-row llama.cpp backend; its cache follows the committed tokens by
     truncation (`Backend.keep` of the common prefix). Deterministic drafts when greedy; with sampling each token
     is drawn from the draft's processed distribution q, which goes with the draft (lossless rule)."""
-
-    USUAL_PENDING = 2  # as ModelDrafter: more new tokens than this are a catch-up read, timed apart
 
     def __init__(self, backend: LlamaCppBackend, name: str | None = None, tokenizer=None):
         self.backend, self.tokenizer = backend, tokenizer
@@ -47,12 +44,7 @@ class LlamaDrafter(Drafter):
     def _read(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [1, n] after the cached ones -> the logits after the last [1, V]."""
         self.forward_passes += 1
-        if self.backend.rows == 0:
-            logits = self.backend.add_row(tokens)
-        else:
-            n = tokens.shape[1]
-            logits = self.backend.forward(tokens, [n])[:, -1]
-            self.backend.keep([list(range(n))])
+        logits = self.backend.add_row(tokens) if self.backend.rows == 0 else self.backend.extend(0, tokens)
         self.cached_ids = torch.cat([self.cached_ids, tokens], dim=1)
         return logits
 
@@ -75,13 +67,7 @@ class LlamaDrafter(Drafter):
             self.commit(input_ids[:, :-1])
         else:
             self.commit(input_ids)
-        pending = input_ids[:, self.cached_ids.shape[1] :]
-        reading_s = 0.0
-        if pending.shape[1] > self.USUAL_PENDING:
-            t0 = time.perf_counter()
-            self._read(pending[:, :-1])
-            reading_s = time.perf_counter() - t0
-            pending = pending[:, -1:]
+        pending, reading_s = catch_up(self._read, input_ids[:, self.cached_ids.shape[1] :])
         tokens, probs, confidence = [], [], []
         logits = self._read(pending)
         for i in range(k):

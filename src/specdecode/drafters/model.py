@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from ..backends.torchmodel import rollback
 from ..sampling import SamplingParams
-from .base import Draft, Drafter, draw
+from .base import Draft, Drafter, catch_up, draw
 from .quant import RestrictedHead, quantize
 
 
@@ -144,20 +144,10 @@ class ModelDrafter(Drafter):
             self.head.set_context(prompt_ids)
         self._read(prompt_ids.to(self.model.device))
 
-    # After a fully accepted draft two tokens are new (the last drafted one and the target's); more means the
-    # drafter sat out steps. Those it reads in a pass of its own, timed apart (Draft.reading_s).
-    USUAL_PENDING = 2
-
     def propose(self, input_ids, k, sampling: SamplingParams, generator, keep_going=None) -> Draft:
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
-        pending = input_ids[:, self.cached_ids.shape[1] :].to(self.model.device)
-        reading_s = 0.0
-        if pending.shape[1] > self.USUAL_PENDING:
-            t0 = time.perf_counter()
-            self._read(pending[:, :-1])
-            reading_s = time.perf_counter() - t0
-            pending = pending[:, -1:]
+        pending, reading_s = catch_up(self._read, input_ids[:, self.cached_ids.shape[1] :].to(self.model.device))
         tokens, probs, confidence, runners_up = [], [], [], []
         for i in range(k):
             if i and keep_going is not None and not keep_going(i, confidence[-1]):
