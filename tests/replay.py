@@ -1,6 +1,6 @@
 """Replay of the adaptive controller on measured machines: pass costs from cpu-profiles.json (two CPUs, torch fp32
 and bf16, llama.cpp), acceptance by draft position from real runs (acceptance-traces.json). The controller decides
-as in the engine (plan, keep_going, observe_pass and observe_row); the simulated clock charges what the profile says those decisions
+as in the engine (plan, its keep_going, observe_pass and observe_row); the simulated clock charges what the profile says those decisions
 cost, with noise and the odd hiccup. No model runs: a test of decisions, not of numerics."""
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ def replay(machine: Machine, accept_by_position: list[float], *, requests: int =
     """Simulated tokens/s of speculation over plain decoding, and how many steps drafted."""
     rng = random.Random(seed)
     ctl = controller or AdaptiveK(max_k=8)
-    ctl.leaves = LEAVES
     hit = TRACES["leaf_hit_at_rejection"]
     clock = plain_clock = 0.0
     drafting_steps = steps = 0
@@ -83,11 +82,10 @@ def replay(machine: Machine, accept_by_position: list[float], *, requests: int =
         done = 0
         while done < tokens:
             budget = tokens - done - 1
-            ctl.max_k = 8
-            k = ctl.plan(budget)
+            plan = ctl.plan(min(budget, 8), leaves=LEAVES, remaining=budget)
             confidences = []
-            for i in range(k):
-                if i and not ctl.keep_going(i, confidences[-1]):
+            for i in range(plan.length):
+                if i and not plan.keep_going(i, confidences[-1]):
                     break
                 p = accept_by_position[min(i, len(accept_by_position) - 1)]
                 confidences.append(min(max(rng.betavariate(4 * p + 0.1, 4 * (1 - p) + 0.1), 0.0), 1.0))
@@ -97,7 +95,7 @@ def replay(machine: Machine, accept_by_position: list[float], *, requests: int =
                     break
                 accepted += 1
             drafted = len(confidences)
-            leaves = LEAVES if ctl.leaves_on else 0  # the engine verifies leaves only when the controller says so
+            leaves = LEAVES if plan.leaves else 0  # the engine verifies leaves only when the plan says so
             width = 1 + drafted * (1 + leaves)
             leaf_used = (accepted < drafted and rng.random() < hit) if drafted and leaves else None
             draft_s = noisy(drafted * machine.draft_ms / 1000)

@@ -6,7 +6,7 @@ import torch
 from specdecode.backends.torchmodel import TorchBackend
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams
 from specdecode.batch import BatchEngine
-from specdecode.control import AdaptiveK
+from specdecode.control import AdaptiveK, BatchPolicy
 from specdecode.drafters import ComboDrafter
 from specdecode.stopping import StopCondition
 from stats_check import fit
@@ -53,15 +53,15 @@ def test_every_row_equals_its_solo_greedy_output(target, weak_draft, near_draft,
 def model_drafting_never_pays(monkeypatch):
     """Load-aware control deciding, at every batch of 2+ rows, that model drafting loses: the engine
     then verifies lookup (n-gram) drafts only."""
-    plan_batch = AdaptiveK.plan_batch
+    plan = BatchPolicy.plan
 
     def no_model_drafts(self, rows, *args, **kwargs):
-        cap = plan_batch(self, rows, *args, **kwargs)
+        cap = plan(self, rows, *args, **kwargs)
         if rows > 1:
-            self.batch_cap = cap = 0
+            self.cap = cap = 0
         return cap
 
-    monkeypatch.setattr(AdaptiveK, "plan_batch", no_model_drafts)
+    monkeypatch.setattr(BatchPolicy, "plan", no_model_drafts)
 
 
 @pytest.mark.parametrize("which", ["auto", "ngram"])
@@ -69,7 +69,7 @@ def test_lookup_only_batches_equal_solo_greedy_output(target, near_draft, refere
     drafter = ComboDrafter(ModelDrafter(near_draft), min_match=2) if which == "auto" else NgramDrafter()
     # Verify every lookup draft whole: whether plan_free finds them worth it depends on measured timings (its own
     # test covers that choice); this test is about the output when they are verified.
-    monkeypatch.setattr(AdaptiveK, "plan_free", lambda self, rows, drafts: max((d.length for d in drafts), default=0))
+    monkeypatch.setattr(BatchPolicy, "plan_free", lambda self, rows, drafts: max((d.length for d in drafts), default=0))
     engine = BatchEngine(target, drafter, k=4, adaptive=True, max_batch=4)
     model_drafts_at = []  # rows in the batch whenever the draft model drafted
     propose = ModelDrafter.propose
@@ -200,7 +200,7 @@ def test_batched_sampling_matches_target_distribution(small_vocab_pair, params):
 def test_batched_lookup_drafts_keep_sampling_lossless(small_vocab_pair, params, model_drafting_never_pays, monkeypatch):  # noqa: F811
     target, _ = small_vocab_pair
     # Losslessness, not the decision, is under test: verify every lookup draft in full.
-    monkeypatch.setattr(AdaptiveK, "plan_free", lambda self, rows, drafts: max(d.length for d in drafts))
+    monkeypatch.setattr(BatchPolicy, "plan_free", lambda self, rows, drafts: max(d.length for d in drafts))
     prompt = random_prompt(5, 6, vocab=VOCAB)
     engine = BatchEngine(target, NgramDrafter(max_ngram=2), k=2, adaptive=True, max_batch=32)
     stats = sample_many_and_compare(engine, target, prompt, params)
@@ -229,9 +229,25 @@ def test_batched_sampling_check_fails_for_a_wrong_acceptance_rule(small_vocab_pa
 def test_a_row_alone_learns_the_pass_line(target):
     """One step for every path: a lone request in the batched engine (the server at one request) feeds the cost
     model exactly as `generate` does. The batched engine once never drew the pass line, so it ran an older rule."""
-    engine = BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4)
+    # Without the costs measured at load: the line must come from the request's own passes
+    engine = BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4, calibrate_costs=False)
+    assert not engine.controller.pass_line.slope_samples
     engine.controller.min_gain = 0.0  # keep drafting, so pass widths vary...
     engine.controller.trim = lambda draft: draft  # ...whatever sub-millisecond timings say about lookups
     engine.generate_all([dict(input_ids=random_prompt(0, 6).repeat(1, 4), max_new_tokens=40)])  # lookups find runs
     line = engine.controller.pass_line
     assert line.slope_samples and line.level.value is not None
+
+
+def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft):
+    """An adaptive engine starts from this machine's costs (passes by width, a draft token, its reading), and the
+    scratch row and the drafter's state are gone before the first request."""
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, adaptive=True, max_batch=4)
+    costs = engine.controller.costs
+    assert all(costs.measured(width) for width in (1, 2, 4, 8)) and engine.controller.pass_line.slope is not None
+    assert costs.draft_time() > 0 and costs.draft_prefill_token_s.value > 0
+    assert set(engine.calibration["verify_s"]) == {1, 2, 4, 8} and engine.calibration["draft_token_s"] > 0
+    assert engine.backend.rows == 0
+    prompt = random_prompt(3, 7)
+    (seq,) = engine.generate_all([dict(input_ids=prompt, max_new_tokens=12)])
+    assert seq.result.token_ids == reference_greedy(target, prompt, 12)

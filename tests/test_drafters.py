@@ -173,12 +173,12 @@ def test_load_aware_control_turns_speculation_off_as_the_batch_grows():
             ctl.observe_pass(positions, rows, 0.25 + 0.004 * rows * positions)
     for _ in range(20):
         ctl.observe_row("model", [0.9, 0.9], drafted=2, accepted=2, draft_s=0.04)
-    assert ctl.plan_batch(1) == ctl.max_k and ctl.plan(10) > 0  # one row: the single-sequence rule drafts
-    assert ctl.plan_batch(16) == 0 and ctl.plan(10) == 0  # sixteen rows: plain decoding for all
-    assert ctl.plan_batch(2) > 0  # two rows: verification is still nearly free
-    assert ctl.batch_decisions[16] == [1, 0] and ctl.batch_decisions[2] == [0, 1]
+    assert ctl.batch.plan(1) == ctl.max_k and ctl.plan(10).length > 0  # one row: the single-sequence rule drafts
+    assert ctl.batch.plan(16) == 0 and ctl.plan(10).length == 0  # sixteen rows: plain decoding for all
+    assert ctl.batch.plan(2) > 0  # two rows: verification is still nearly free
+    assert ctl.batch.decisions[16] == [1, 0] and ctl.batch.decisions[2] == [0, 1]
     ctl.costs.observe_draft_prefill(100, 0.5)  # drafters that never drafted would first read their prompts:
-    assert ctl.plan_batch(2, unread_prompt_tokens=400) == 0  # a one-off 2 s the step would pay
+    assert ctl.batch.plan(2, unread_prompt_tokens=400) == 0  # a one-off 2 s the step would pay
 
 
 def test_load_aware_control_probes_again_after_plain_steps():
@@ -188,8 +188,8 @@ def test_load_aware_control_probes_again_after_plain_steps():
     ctl.observe_row("model", [0.5], drafted=1, accepted=0, draft_s=0.05)
     caps, drafting_rows = [], []
     for _ in range(9):
-        caps.append(ctl.plan_batch(4))
-        drafting_rows.append(sum(ctl.plan(10) > 0 for _ in range(4)))
+        caps.append(ctl.batch.plan(4))
+        drafting_rows.append(sum(ctl.plan(10).length > 0 for _ in range(4)))
     assert caps == [0] * 7 + [1] + [0]  # every (probe_every x rows)-th step a probe...
     assert drafting_rows == [0] * 7 + [1] + [0]  # ...of one row (the others do not pay for it)
 
@@ -199,10 +199,10 @@ def test_load_aware_control_does_not_guess_for_a_batch():
     no batch-wide drafting on a guess (it would make every row read its prompt and draft k tokens)."""
     ctl = AdaptiveK(max_k=8)
     ctl.observe_pass(1, 8, 0.30)
-    assert ctl.plan_batch(8, unread_prompt_tokens=4000, ready_rows=0) == 0
-    assert ctl.plan_batch(1) == 8 and ctl.plan(10) == 0  # a row alone first measures a plain pass...
+    assert ctl.batch.plan(8, unread_prompt_tokens=4000, ready_rows=0) == 0
+    assert ctl.batch.plan(1) == 8 and ctl.plan(10).length == 0  # a row alone first measures a plain pass...
     ctl.observe_pass(1, 1, 0.05)
-    assert ctl.plan(10) > 0  # ...then explores, and so measures the draft
+    assert ctl.plan(10).length > 0  # ...then explores, and so measures the draft
 
 
 def test_batch_probe_never_makes_a_row_read_its_prompt():
@@ -210,11 +210,11 @@ def test_batch_probe_never_makes_a_row_read_its_prompt():
     for positions in (1, 2, 3, 5):
         ctl.observe_pass(positions, 4, 0.25 + 0.05 * 4 * positions)  # drafting never pays
     ctl.observe_row("model", [0.5], drafted=1, accepted=0, draft_s=0.05)
-    caps = [ctl.plan_batch(4, unread_prompt_tokens=400, ready_rows=0) for _ in range(12)]
+    caps = [ctl.batch.plan(4, unread_prompt_tokens=400, ready_rows=0) for _ in range(12)]
     assert caps == [0] * 12  # probes due, but every row would first read its prompt: none
-    while ctl.plan_batch(4, ready_rows=1) == 0:
+    while ctl.batch.plan(4, ready_rows=1) == 0:
         pass
-    assert [ctl.plan(10, ready) for ready in (False, True, True, False)] == [0, 1, 0, 0]  # the ready row probes
+    assert [ctl.plan(10, ready).length for ready in (False, True, True, False)] == [0, 1, 0, 0]  # the ready row probes
 
 
 def test_lookup_drafts_in_a_batch_keep_what_pays():
@@ -223,23 +223,23 @@ def test_lookup_drafts_in_a_batch_keep_what_pays():
     ctl = AdaptiveK(max_k=8)
     ngram = lambda n: Draft(torch.arange(n)[None], source="ngram")  # noqa: E731
     empty = Draft(torch.empty(1, 0, dtype=torch.long), source="ngram")
-    assert ctl.plan_free(4, [ngram(6), empty, empty, empty]) == 0  # nothing measured yet: plain
+    assert ctl.batch.plan_free(4, [ngram(6), empty, empty, empty]) == 0  # nothing measured yet: plain
     for tokens in (4, 8, 12, 16, 20, 24, 28):
         ctl.observe_pass(tokens // 4, 4, 0.25 + 0.002 * tokens)  # 4 rows: wider passes cost a little more
     for _ in range(30):  # copied text: the lookup's tokens are nearly always right
         ctl.observe_row("ngram", None, drafted=6, accepted=6, draft_s=0.0)
-    assert ctl.plan_free(4, [ngram(6), empty, empty, empty]) == 6
-    assert ctl.plan_free(4, [empty] * 4) == 0
+    assert ctl.batch.plan_free(4, [ngram(6), empty, empty, empty]) == 6
+    assert ctl.batch.plan_free(4, [empty] * 4) == 0
     for _ in range(30):  # lookups that are always wrong
         ctl.observe_row("ngram", None, drafted=6, accepted=0, draft_s=0.0)
-    assert ctl.plan_free(4, [ngram(6), ngram(3), empty, empty]) == 0
+    assert ctl.batch.plan_free(4, [ngram(6), ngram(3), empty, empty]) == 0
     steep = AdaptiveK(max_k=8)  # verification far from free: one row's draft does not pay for widening all four
     for tokens in (4, 8, 12, 16, 20, 24, 28):
         steep.observe_pass(tokens // 4, 4, 0.25 + 0.1 * tokens)
     for _ in range(30):
         steep.observe_row("ngram", None, drafted=6, accepted=6, draft_s=0.0)
-    assert steep.plan_free(4, [ngram(6), empty, empty, empty]) == 0
-    assert steep.plan_free(4, [ngram(6)] * 4) == 6
+    assert steep.batch.plan_free(4, [ngram(6), empty, empty, empty]) == 0
+    assert steep.batch.plan_free(4, [ngram(6)] * 4) == 6
 
 
 def test_adaptive_falls_back_to_plain_and_probes_again():
@@ -247,9 +247,23 @@ def test_adaptive_falls_back_to_plain_and_probes_again():
     for _ in range(10):  # an expensive draft the target always rejects
         observe_step(ctl, "model", [0.9], drafted=1, accepted=0, draft_s=0.5, verify_s=0.2)
         observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.2)
-    plans = [ctl.plan(10) for _ in range(10)]
+    plans = [ctl.plan(10).length for _ in range(10)]
     assert plans[:4] == [0, 0, 0, 0] and plans[4] > 0  # 4 plain steps, then a probe
     assert ctl.skipped_steps >= 8
+
+
+def test_a_hopeless_draft_does_not_make_a_fresh_drafter_read_for_a_probe():
+    """A draft token dearer than two plain passes loses even if every token were accepted: a drafter that has not
+    read its prompt is not made to read it for a probe before the longest interval (the costs said it all)."""
+    ctl = AdaptiveK(max_k=6, probe_every=4)
+    for width, seconds in ((1, 0.2), (2, 0.3), (4, 0.5), (8, 0.9)):
+        ctl.observe_pass(width, 1, seconds)
+    ctl.costs.observe_draft("model", 4, 2.0)
+    plans = [ctl.plan(6, ready=False, unread=20, remaining=100).length for _ in range(ctl.MAX_PROBE_INTERVAL + 6)]
+    assert sum(plans) == 1 and plans.index(1) > ctl.MAX_PROBE_INTERVAL
+    ready = AdaptiveK(max_k=6, probe_every=4)  # a drafter in step with the text probes at once: it costs one token
+    ready.costs, ready.pass_line = ctl.costs, ctl.pass_line
+    assert [ready.plan(6, remaining=100).length for _ in range(5)] == [0, 0, 0, 0, 1]
 
 
 def test_a_slow_stretch_does_not_keep_speculation_off():
@@ -260,7 +274,7 @@ def test_a_slow_stretch_does_not_keep_speculation_off():
         observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.25)
     plans = []
     for _ in range(60):  # then it is quiet again and every drafted token is accepted
-        k = ctl.plan(100)
+        k = ctl.plan(6, remaining=100).length
         plans.append(k)
         observe_step(ctl, "model", [0.9] * k if k else None, drafted=k, accepted=k, draft_s=0.04 * k, verify_s=0.25 + 0.005 * k)
     assert plans[:4] == [0, 0, 0, 1]  # plain steps, then a one-token probe
@@ -364,10 +378,10 @@ def test_adaptive_drafts_long_when_cheap_and_accepted():
     for _ in range(20):
         observe_step(ctl, "model", [0.99] * 8, drafted=8, accepted=8, draft_s=0.08, verify_s=0.25)
         observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.24)
-    assert ctl.plan(20) == 8
-    assert all(ctl.keep_going(i, 0.99) for i in range(1, 5))
-    ctl.plan(20)
-    assert not ctl.keep_going(1, 0.05)  # a draft token this unsure: stop drafting
+    plan = ctl.plan(8, remaining=20)
+    assert plan.length == 8
+    assert all(plan.keep_going(i, 0.99) for i in range(1, 5))
+    assert not ctl.plan(8, remaining=20).keep_going(1, 0.05)  # a draft token this unsure: stop drafting
 
 
 def test_adaptive_trims_ngram_drafts_that_never_hit():

@@ -66,7 +66,7 @@ def test_adaptive_engine_with_leaves_keeps_greedy_output(target, near_draft, ref
     # leaves pay is decided from noisy sub-millisecond timings (the replay tests cover both decisions). Here: the
     # output, with the controller's draft lengths and its leaves on.
     engine.controller.min_gain = 0.0
-    monkeypatch.setattr(AdaptiveK, "_choose_leaves", lambda self: setattr(self, "leaves_on", bool(self.leaves)))
+    monkeypatch.setattr(AdaptiveK, "_leaves_pay", lambda self, offered: bool(offered))
     results, used = generate_all(engine)
     assert [r.token_ids for r in results] == [references[s] for s, _ in PROMPTS]
     assert used > 0
@@ -153,16 +153,15 @@ def test_the_speculation_gate_counts_leaf_hits():
             ctl.observe_pass(width, 1, 0.25)
         ctl.costs.observe_draft("model", 1, 0.05)
         ctl.first_accept.value = 0.15
-        ctl.leaves, ctl.leaf_hit.value = leaves, 0.5
+        ctl.leaf_hit.value = 0.5
         return ctl
 
-    assert controller(leaves=0).plan(10) == 0  # (1 + 0.15) / 0.30 s < 1 / 0.25 s: plain decoding
-    assert controller(leaves=2).plan(10) == 4  # (1 + 0.15 + 0.85 * 0.5) / 0.30 s > 1 / 0.25 s
+    assert controller(leaves=0).plan(4, leaves=0).length == 0  # (1 + 0.15) / 0.30 s < 1 / 0.25 s: plain decoding
+    assert controller(leaves=2).plan(4, leaves=2).length == 4  # (1 + 0.15 + 0.85 * 0.5) / 0.30 s > 1 / 0.25 s
 
 
 def test_a_leaf_hit_is_learned_only_from_rejections():
     ctl = AdaptiveK(max_k=4)
-    ctl.leaves = 2
     before = ctl.leaf_hit.value
     observe_step(ctl, "model", [0.9, 0.9], drafted=2, accepted=2, draft_s=0.05, verify_s=0.25, positions=7, leaf_used=False)
     assert ctl.leaf_hit.value == before  # all accepted: no leaf was asked for
@@ -195,8 +194,7 @@ def test_a_wide_pass_measured_on_a_long_prompt_does_not_cap_drafts_on_a_short_on
     a short one: keyed by width alone, 10 keeps its long-context cost and a third token looks 0.23 s dear. The
     pass line learns the slope from passes of one context and the level from the latest ones: drafting goes on."""
     def replay(ctl: AdaptiveK) -> int:
-        ctl.leaves = 2
-        ctl._choose_leaves = lambda: setattr(ctl, "leaves_on", True)  # the passes measured had leaves
+        ctl._leaves_pay = lambda offered: True  # the passes measured had leaves
         for width, seconds in [(7, 0.44), (10, 0.45)] * 10:  # long prompt: 2 or 3 drafted tokens, 2 leaves each
             observe_step(ctl, "model", [0.95] * 3, drafted=(width - 1) // 3, accepted=(width - 1) // 3, draft_s=0.04 * (width - 1) // 3,
                         verify_s=seconds, positions=width, leaf_used=False)
@@ -204,8 +202,9 @@ def test_a_wide_pass_measured_on_a_long_prompt_does_not_cap_drafts_on_a_short_on
         observe_step(ctl, "model", None, drafted=0, accepted=0, draft_s=0.0, verify_s=0.20)  # its first pass is plain
         for _ in range(10):  # short prompt: the controller drafted 2 each time
             observe_step(ctl, "model", [0.95] * 2, drafted=2, accepted=2, draft_s=0.08, verify_s=0.22, positions=7, leaf_used=False)
-        drafted = 1 if ctl.plan(100) else 0
-        while drafted and drafted < 8 and ctl.keep_going(drafted, 0.95):
+        plan = ctl.plan(8, leaves=2, remaining=100)
+        drafted = 1 if plan.length else 0
+        while drafted and drafted < 8 and plan.keep_going(drafted, 0.95):
             drafted += 1
         return drafted
 

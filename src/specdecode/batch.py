@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import Backend, as_backend
-from .control import AdaptiveK, FixedK
+from .control import AdaptiveK, FixedK, calibrate
 from .drafters.base import Draft, Drafter
 from .sampling import SamplingParams
 from .sequence import Sequence, validate_request
@@ -64,6 +64,7 @@ class BatchEngine:
         adaptive: bool = False,
         max_batch: int = 8,
         compact_above: float = 0.5,
+        calibrate_costs: bool = True,
     ):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
@@ -76,6 +77,8 @@ class BatchEngine:
         self.controller = AdaptiveK(max_k=k) if adaptive else None
         if drafter is not None:
             drafter.check_vocab(self.backend.vocab_size, tokenizer)
+        # What the controller needs measured (passes by width, a draft token), at load instead of on a request's time
+        self.calibration = calibrate(self.controller, self.backend, drafter) if adaptive and calibrate_costs else None
         self.rows: list[Sequence] = []
         self._pending: deque[Sequence] = deque()
         self._lock = threading.Lock()
@@ -154,15 +157,13 @@ class BatchEngine:
     def _draft(self, report: StepReport) -> tuple[list[Draft], list[float]]:
         """Every row's draft for this step (empty: a plain step for that row) and the seconds it took."""
         controller, B = self.controller, len(self.rows)
-        if controller is not None:  # leaves a row alone may verify, per drafted token
-            alone = self.rows[0].drafter if B == 1 and self.backend.supports_tree else None
-            controller.leaves = alone.alternatives if alone is not None else 0
+        trees = self._trees_on()
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
         calibrate = controller is not None and not controller.costs.measured(1, B)
         if controller is not None and not calibrate:
             drafting = [seq for seq in self.rows if seq.drafter is not None]
             unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
-            report.cap = controller.plan_batch(B, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
+            report.cap = controller.batch.plan(B, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
             # Model drafting does not pay for this batch; drafts that cost no model pass still may.
             report.lookup_only = B > 1 and report.cap == 0
         drafts, draft_s, failed = [], [], []
@@ -173,7 +174,8 @@ class BatchEngine:
                 draft = Draft.empty()
             else:
                 try:
-                    draft = seq.propose_free() if report.lookup_only else seq.propose(controller or FixedK(seq.k))
+                    offered = seq.drafter.alternatives if trees and seq.drafter is not None else 0
+                    draft = seq.propose_free() if report.lookup_only else seq.propose(controller or FixedK(seq.k), offered)
                 except Exception as error:  # one row's drafter failing must not take the others down
                     seq.fail(error)
                     failed.append(seq)
@@ -184,22 +186,22 @@ class BatchEngine:
         report.draft_s = sum(draft_s)
         self._leave(failed, report)
         if report.lookup_only and self.rows:
-            keep_len = controller.plan_free(len(self.rows), drafts)
+            keep_len = controller.batch.plan_free(len(self.rows), drafts)
             for seq, draft in zip(self.rows, drafts):
                 draft.truncate(keep_len)
                 if seq.drafter is not None and not draft.length and seq.draft_budget > 0:
                     seq.stats.plain_steps += 1
         return drafts, draft_s
 
-    def _leaves_on(self) -> bool:
-        """Tree leaves only for a row running alone (beside other rows a wider pass is not free), where the
-        backend scores trees and the controller finds they pay."""
-        return len(self.rows) == 1 and self.backend.supports_tree and (self.controller or FixedK(self.k)).leaves_on
+    def _trees_on(self) -> bool:
+        """Tree leaves only for a row running alone (beside other rows a wider pass is not free), where the backend
+        scores trees; the row's plan then says whether they pay (its draft keeps its alternatives or not)."""
+        return len(self.rows) == 1 and self.backend.supports_tree
 
     def _verify(self, drafts: list[Draft], draft_s: list[float], report: StepReport) -> None:
         """One pass over every row's [last] + draft, then judge, keep the accepted K/V, learn and emit."""
         controller, B = self.controller, len(self.rows)
-        leaves = self._leaves_on()
+        leaves = self._trees_on()
         trees = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if leaves else None) for seq, d in zip(self.rows, drafts)]
         t0 = time.perf_counter()
         tokens, widths, offsets, visibility = pack(trees)

@@ -166,22 +166,23 @@ class Sequence:
         draft.truncate(self.draft_budget)
         return draft
 
-    def propose(self, controller) -> Draft:
-        """This step's draft (empty: a plain step)."""
+    def propose(self, controller, leaves: int = 0) -> Draft:
+        """This step's draft (empty: a plain step). leaves: runner-ups per token the engine could verify with it."""
         draft = Draft.empty()
         self.step_prefill_s = 0.0
         if self.drafter is None:
             return draft
         budget = self.draft_budget
-        controller.max_k = self.k
         unread = self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
-        draft_len = controller.plan(budget, self.drafter_ready, unread)
-        if draft_len > 0:
+        plan = controller.plan(min(budget, self.k), self.drafter_ready, unread, leaves, remaining=budget)
+        if plan.length > 0:
             if not self.drafter_ready:
                 self.step_prefill_s = self._prefill_drafter()
                 controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)
             passes_before = self.drafter.forward_passes
-            draft = controller.trim(self.drafter.propose(self.ids, draft_len, self.sampling, self.generator, controller.keep_going))
+            draft = controller.trim(self.drafter.propose(self.ids, plan.length, self.sampling, self.generator, plan.keep_going))
+            if not plan.leaves:
+                draft.alternatives = None
             if draft.reading_s:  # a catch-up pass over all but the last unread token
                 controller.observe_reading(unread - 1, draft.reading_s)
             draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)

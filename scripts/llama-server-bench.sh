@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# llama.cpp's own server against `specdecode serve --backend llama.cpp` on the Qwen Q4_K_M pair, through the same
+# load benchmark (`specdecode bench --endpoint`, streaming chat, concurrency 1, 4 and 8): llama-server plain, with
+# its draft-model speculation (draft-simple, the same 0.5B GGUF) and with its ngram-mod lookup, then ours (auto,
+# load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them.
+# Needs the tools of scripts/build-llama-server.sh. Not part of CI.
+# Usage: scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
+set -euo pipefail
+OUT=${1:-bench-out/llama-server}; shift || true
+ROUNDS=${1:-1}; shift || true
+SD=${SPECDECODE:-.venv/bin/specdecode}
+BIN=${LLAMA_BIN:-.llama-cpp-tools/build/bin}
+PORT=${PORT:-8311}
+THREADS=${THREADS:-2}
+$SD models pull --backend llama.cpp qwen2.5-coder-1.5b qwen2.5-coder-0.5b >/dev/null
+GGUF=${GGUF_DIR:-$HOME/.cache/specdecode/gguf}
+TARGET=$GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+DRAFT=$GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+# 8 slots sharing one 16k-token cache (kv-unified), as our backend holds its rows
+LLAMA=("$BIN/llama-server" -m "$TARGET" -t "$THREADS" -tb "$THREADS" -np 8 -c 16384 -kvu --log-disable --port "$PORT")
+declare -A SERVERS=(
+  [llama-server]="${LLAMA[*]}"
+  [llama-server-draft]="${LLAMA[*]} -md $DRAFT --spec-type draft-simple -td $THREADS -tbd $THREADS"
+  [llama-server-ngram-mod]="${LLAMA[*]} --spec-type ngram-mod"
+  [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level warning --port $PORT"
+)
+PID=
+trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null || true' EXIT
+rm -rf "$OUT/runs"
+mkdir -p "$OUT/runs"
+RUNS=()
+for round in $(seq 1 "$ROUNDS"); do
+  order=(llama-server llama-server-draft llama-server-ngram-mod specdecode)
+  (( round % 2 == 0 )) && order=(specdecode llama-server-ngram-mod llama-server-draft llama-server)
+  for name in "${order[@]}"; do
+    # shellcheck disable=SC2086
+    ${SERVERS[$name]} > "$OUT/runs/$name-r$round.log" 2>&1 &
+    PID=$!
+    until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
+      kill -0 "$PID" 2>/dev/null || { echo "[llama-server-bench] $name did not start: $OUT/runs/$name-r$round.log" >&2; exit 1; }
+      sleep 1
+    done
+    echo "[llama-server-bench] round $round: $name" >&2
+    run="$OUT/runs/r$round-$name"
+    $SD bench --endpoint "$name=http://127.0.0.1:$PORT" --concurrency 1,4,8 --requests 8 --per-task 1 \
+      --max-new-tokens 64 --rounds 1 --out "$run" "$@" >/dev/null
+    kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
+    RUNS+=("$run")
+  done
+done
+$SD bench --pool "${RUNS[@]}" --out "$OUT"

@@ -1,0 +1,275 @@
+"""How long to draft, step by step, from what running has measured.
+
+A cost model learns the draft time per token and the verify time as a function of the number of scored
+positions (seeded at load by `calibrate`); a calibrator learns how often a drafted token with a given draft
+confidence is accepted. The adaptive controller then
+- keeps drafting only while one more token adds expected tokens faster than the step's average rate
+  (the marginal rule, `DraftPlan.keep_going`; the draft's confidence predicts the next acceptance);
+- skips drafting (plain decoding) when even one drafted token is expected to lose against plain
+  decoding, and probes again now and then so a change in the text can bring speculation back.
+A batch of rows is decided together (`batch.BatchPolicy`). None of this changes the output: it only decides
+how many tokens to propose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import priors
+from .batch import BatchPolicy
+from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
+
+
+@dataclass
+class DraftPlan:
+    """One row's drafting decision for one step: up to `length` tokens (0: a plain step), their tree leaves
+    verified or not. The drafter asks `keep_going` between tokens; the plan carries the running expectation
+    that rule compares with (None controller: draft the whole length)."""
+
+    length: int
+    leaves: bool = False
+    controller: AdaptiveK | None = None
+    expected: float = 1.0  # tokens the step is expected to bring so far (the target's own token at least)
+    elapsed: float = 0.0  # seconds it is expected to cost so far
+    survive: float = 1.0  # probability that every token drafted so far is accepted
+
+    def keep_going(self, drafted: int, confidence: float) -> bool:
+        """After `drafted` tokens, the last with draft confidence `confidence`: draft one more?"""
+        ctl = self.controller
+        t_draft = ctl.costs.draft_time() if ctl is not None else 0.0
+        if not t_draft:
+            return True
+        accept, leaf_hit = ctl.calibrator.predict(confidence), ctl.leaf_hit_rate(self.leaves)
+        self.expected += self.survive * (accept + (1 - accept) * leaf_hit)  # this token, or a leaf at its place
+        self.survive *= accept
+        verify = lambda positions: ctl.verify_model_draft(positions, self.leaves)  # noqa: E731
+        self.elapsed += t_draft + verify(drafted + 1) - verify(drafted)
+        gain = self.survive * (accept + (1 - accept) * leaf_hit)  # the next token is predicted to fare like this one
+        cost = t_draft + verify(drafted + 2) - verify(drafted + 1)
+        return gain / max(cost, 1e-9) > self.expected / max(self.elapsed, 1e-9)
+
+
+class FixedK:
+    """Always draft k tokens (the classic setting), with whatever leaves the drafter offers."""
+
+    def __init__(self, k: int):
+        self.max_k = k
+
+    def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0, remaining=None) -> DraftPlan:
+        return DraftPlan(min(self.max_k, max_len), leaves=bool(leaves))
+
+    def observe_reading(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def trim(self, draft):
+        return draft
+
+
+class AdaptiveK:
+    """Draft length and on/off chosen per step from measured costs and calibrated acceptance, for one sequence;
+    `batch` decides for a batch of rows from the same measurements."""
+
+    MIN_GAIN = priors.MIN_GAIN
+    READ_SHARE = priors.READ_SHARE
+    START_DRAFT = priors.START_DRAFT
+    MAX_PROBE_INTERVAL = priors.MAX_PROBE_INTERVAL
+    REGIME_CHANGE = priors.REGIME_CHANGE
+
+    def __init__(self, max_k: int = 8, probe_every: int = priors.PROBE_EVERY, min_gain: float = priors.MIN_GAIN):
+        self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
+        self.costs = CostModel()
+        self.calibrator = ConfidenceCalibrator()
+        self.first_accept = Ema(priors.EMA_ALPHA, priors.FIRST_ACCEPT)  # a step's first draft token, any confidence
+        self.pass_line = PassCostLine()  # one sequence's verify cost by width (the table serves batches)
+        # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
+        self.position_accept: dict[str, list[Ema]] = {}
+        # At a rejection one of the tree leaves is the target's correction this often (one more token)
+        self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
+        self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
+        self.plain_steps = 0
+        self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
+        self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
+        self.lookup_skips = 0  # lookup drafts trimmed to nothing since the last one verified (trim's own probes)
+        # Doubles while lookup probes are rejected (a verified position costs ~60 % of a pass on llama.cpp)
+        self.lookup_probe_interval = probe_every
+        self.batch = BatchPolicy(self)
+
+    # --- the cost of a step, as measured -----------------------------------------------------------
+
+    def _verify(self, positions: int) -> float:
+        """This row's share of a verify pass where every row scores `positions` positions."""
+        rows = self.batch.rows
+        t = self.pass_line.time(positions) if rows == 1 else None
+        if t is None:
+            t = self.costs.verify_time(positions, rows)
+        return t / rows if t is not None else 0.0
+
+    def leaf_hit_rate(self, leaves: bool) -> float:
+        return self.leaf_hit.value if leaves else 0.0
+
+    def verify_model_draft(self, positions: int, leaves: bool, offered: int = 0) -> float:
+        """A pass over [last] + positions - 1 model-drafted tokens and, if on, their leaves (`offered` per token
+        until the drafter's actual count is measured)."""
+        per_token = 0.0
+        if leaves:
+            per_token = self.leaves_per_token.value if self.leaves_per_token.value is not None else offered
+        return self._verify(1 + (positions - 1) * (1 + per_token))
+
+    def _speculative_rate(self, leaves: bool, offered: int = 0) -> float:
+        """Expected tokens per second of a one-token draft (the on/off rule's yardstick)."""
+        a = self.first_accept.value
+        verify = self.verify_model_draft(2, leaves, offered)
+        return (1 + a + (1 - a) * self.leaf_hit_rate(leaves)) / (self.costs.draft_time() + verify)
+
+    def _best_case_rate(self, t_plain: float, max_len: int) -> float:
+        """Tokens per second of the best draft length if the target accepted every drafted token: with passes as the
+        measured line prices them, or, before it has a slope, as the measured one- and two-position passes extend
+        linearly (no guess from the table's conservative extrapolation: that must not make drafting look hopeless)."""
+        t_draft = self.costs.draft_time()
+        measured = self.pass_line.slope is not None
+        step = max(self.costs.verify_time(2) - t_plain, 0.0) if self.costs.measured(2) else 0.0
+
+        def verify(k: int) -> float:
+            return self.verify_model_draft(k + 1, False) if measured else t_plain + step * k
+
+        return max((k + 1) / (k * t_draft + verify(k)) for k in range(1, max(max_len, 1) + 1))
+
+    def _leaves_pay(self, offered: int) -> bool:
+        """Leaves pay where a wider pass is nearly free (AVX-512 bf16: 25 positions ~ 9) and lose where every position
+        costs (AVX2 with emulated bf16: 170 ms each): decided from the measured slope, one draft token's worth."""
+        return bool(offered) and (
+            self.pass_line.slope is None or self._speculative_rate(True, offered) >= self._speculative_rate(False))
+
+    # --- one row's decision ------------------------------------------------------------------------
+
+    def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0,
+             remaining: int | None = None) -> DraftPlan:
+        """This step's plan for a row that may draft up to max_len tokens. ready: its drafter has read the prompt;
+        unread: tokens it would have to read before drafting; leaves: runner-ups the drafter offers per token
+        (0: none, or the engine cannot verify them); remaining: tokens the request may still make (default max_len)."""
+        if max_len <= 0:
+            return DraftPlan(0)
+        if self.batch.cap is not None:  # the batch decided
+            return DraftPlan(self.batch.row_length(max_len, ready), controller=self, elapsed=self._verify(1))
+        with_leaves = self._leaves_pay(leaves)
+        length = self._length(max_len, max_len if remaining is None else remaining, ready, unread, with_leaves, leaves)
+        return DraftPlan(length, with_leaves, self, elapsed=self._verify(1))
+
+    def _length(self, max_len: int, remaining: int, ready: bool, unread: int, with_leaves: bool, offered: int) -> int:
+        # The gate compares with plain passes as measured: the line's level fits wide passes, and where the first
+        # positions cost most (AVX2 bf16: 1 -> 5 positions x4) it put a plain pass 25 % too dear.
+        t_plain, t_draft = self.costs.verify_time(1), self.costs.draft_time()
+        if not self.costs.measured(1):  # first a plain pass: drafting is judged against it (a plain step never loses)
+            return 0
+        per_token = self.costs.draft_prefill_token_s.value
+        if per_token is not None and unread * per_token > self.READ_SHARE * remaining * t_plain:
+            self.skipped_steps += 1
+            return 0
+        if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
+            return min(self.START_DRAFT, max_len)
+        if self._speculative_rate(with_leaves, offered) >= self.min_gain / t_plain:
+            self.plain_steps = 0
+            self.probe_interval = self.probe_every
+            return max_len
+        if self.plain_steps < self.probe_interval:
+            self.plain_steps += 1
+            self.skipped_steps += 1
+            return 0
+        # Now and then a probe of one token: it re-measures exactly what this rule reads (the draft's time, a
+        # two-position pass, first-token acceptance). Each probe that finds drafting still losing waits twice as long
+        # for the next (where a draft step costs two plain ones, probes every 8 steps alone cost 15 %). Where not
+        # even drafts all accepted would pay, it waits the longest interval; and a drafter that has not read the
+        # prompt yet does not read it for that probe before then (on llama.cpp, 2 cores, such a probe cost 6 % of
+        # a 96-token request: the costs measured at load had already said drafting loses).
+        self.plain_steps = 0
+        if self._best_case_rate(t_plain, max_len) >= self.min_gain / t_plain:
+            self.probe_interval = min(2 * self.probe_interval, self.MAX_PROBE_INTERVAL)
+        elif not ready and self.probe_interval < self.MAX_PROBE_INTERVAL:
+            self.probe_interval = self.MAX_PROBE_INTERVAL
+            self.skipped_steps += 1
+            return 0
+        else:
+            self.probe_interval = self.MAX_PROBE_INTERVAL
+        return 1
+
+    def expected_accepted(self, source: str, length: int) -> list[float]:
+        """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (n-gram),
+        from the source's measured acceptance by position."""
+        accept = self._position_accept(source)
+        expected, survive, total = [], 1.0, 0.0
+        for j in range(length):
+            survive *= accept[min(j, len(accept) - 1)].value
+            total += survive
+            expected.append(total)
+        return expected
+
+    def _position_accept(self, source: str) -> list[Ema]:
+        return self.position_accept.setdefault(
+            source, [Ema(priors.EMA_ALPHA, priors.POSITION_ACCEPT) for _ in range(self.max_k)])
+
+    def trim(self, draft):
+        """Cut a draft made all at once (no confidence: n-gram) to the length that maximises expected
+        tokens per second, from its measured acceptance by position; verify cost is what it risks."""
+        if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1, self.batch.rows) is None:
+            return draft
+        best_len, best_rate = 0, 1 / max(self._verify(1), 1e-9)
+        for n, accepted in enumerate(self.expected_accepted(draft.source, draft.length), 1):
+            rate = (1 + accepted) / max(self._verify(n + 1), 1e-9)
+            if rate > best_rate:
+                best_len, best_rate = n, rate
+        widest = self.costs.widest()
+        if self.batch.rows == 1 and best_len + 1 == widest and draft.length > best_len:
+            # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
+            # conservative guess that would keep every later draft this short. One pass this wide measures it.
+            best_len = draft.length
+        if best_len == 0 and self.lookup_skips >= self.lookup_probe_interval:  # probe now and then, less while they lose
+            best_len, self.lookup_skips = 1, 0
+            self.lookup_probe_interval = min(2 * self.lookup_probe_interval, self.MAX_PROBE_INTERVAL)
+        elif best_len == 0:
+            self.lookup_skips += 1
+        draft.truncate(best_len)
+        return draft
+
+    # --- what the engine measured --------------------------------------------------------------------
+
+    def observe_reading(self, tokens: int, seconds: float) -> None:
+        """A drafter read `tokens` committed tokens (its prompt, or a catch-up after plain steps) in `seconds`."""
+        self.costs.observe_draft_prefill(tokens, seconds)
+
+    def rows_changed(self) -> None:
+        """A row joined or left: the next passes are not comparable with the last one's (pass line)."""
+        self.pass_line.new_context()
+
+    def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
+        """A verify pass of `rows` rows x `positions` positions (the batch's widest draft + 1) took `seconds`.
+        A row alone's passes also draw its pass line."""
+        self.costs.observe_verify(positions, seconds, rows)
+        if rows == 1:
+            self.pass_line.observe(positions, seconds)
+
+    def observe_row(
+        self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
+        leaf_used: bool | None = None, positions: int | None = None,
+    ) -> None:
+        """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
+        a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
+        more than drafted + 1 with leaves)."""
+        before = self.costs.draft_token_s.get(source)
+        if drafted and before is not None and before.value and draft_s / drafted < self.REGIME_CHANGE * before.value:
+            self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
+        self.costs.observe_draft(source, drafted, draft_s)
+        if leaf_used is not None and drafted and positions:
+            self.leaves_per_token.update((positions - 1 - drafted) / drafted)
+        if leaf_used is not None and accepted < drafted:
+            self.leaf_hit.update(1.0 if leaf_used else 0.0)
+        if not drafted:
+            return
+        self.first_accept.update(1.0 if accepted else 0.0)
+        if confidences:
+            self.calibrator.update(confidences, accepted)
+        else:
+            if accepted:
+                self.lookup_probe_interval = self.probe_every
+            accept = self._position_accept(source)
+            for j in range(min(drafted, accepted + 1, len(accept))):
+                accept[j].update(1.0 if j < accepted else 0.0)

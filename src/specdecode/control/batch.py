@@ -1,0 +1,96 @@
+"""Load-aware control: one decision for all rows of a batch, because the verify pass is as wide as its widest row."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import priors
+
+if TYPE_CHECKING:
+    from .adaptive import AdaptiveK
+
+
+class BatchPolicy:
+    """The draft cap k maximising the batch's expected tokens per second, where drafting costs every row's draft
+    time (rows draft one after another) and verifying costs a pass of rows x (k + 1) tokens. As the batch grows
+    verification stops being free and the cap falls to 0 (plain decoding). Within the cap, each row still stops
+    early by the single-sequence marginal rule, charged its share of the pass. When the cap is 0, drafts that cost
+    no model pass (n-gram lookups) may still pay: `plan_free` picks how much of them to verify.
+    It reads the measurements of the controller it belongs to."""
+
+    BATCH_MIN_GAIN = priors.BATCH_MIN_GAIN
+    FREE_MIN_GAIN = priors.FREE_MIN_GAIN
+
+    def __init__(self, measured: AdaptiveK):
+        self.measured = measured
+        self.rows = 1  # rows in the current batch
+        self.cap: int | None = None  # the batch's draft cap this step (None: one row, the single-sequence rule)
+        self.plain_steps = 0
+        self._probe_rows: int | None = None  # during a probe: how many more rows may draft
+        self.decisions: dict[int, list[int]] = {}  # rows -> [plain steps, speculative steps]
+
+    def plan(self, rows: int, unread_prompt_tokens: int = 0, ready_rows: int | None = None) -> int:
+        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows.
+        unread_prompt_tokens: prompt tokens the drafters of rows that never drafted would have to read
+        first (a one-off cost a drafting step pays). ready_rows: rows whose drafter has read its prompt
+        (None: all); a probe uses one of them, and is skipped when there is none, so it never pays a
+        prompt reading. Lookup drafts (`plan_free`) are planned apart: the cost here is the model's."""
+        ctl = self.measured
+        self.rows = rows
+        if rows == 1:
+            self.cap = None
+            return ctl.max_k
+        self._probe_rows = None
+        costs = ctl.costs
+        t = lambda positions: costs.verify_time(positions, rows)  # noqa: E731
+        t_draft = costs.draft_time() if costs.draft_token_s else None
+        alpha = min(ctl.first_accept.value, 0.99)
+        # Nothing measured yet (a server that starts under load): no model drafting on a guess. A whole batch
+        # drafting at full length, every row first reading its prompt, cost 5 s in one step on the Qwen pair.
+        best_k = 0
+        if t(1) is not None and t_draft is not None:
+            best_rate = self.BATCH_MIN_GAIN * rows / t(1)
+            catch_up = unread_prompt_tokens * (costs.draft_prefill_token_s.value or 0.0)
+            for k in range(1, ctl.max_k + 1):
+                expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
+                rate = expected / (rows * k * t_draft + t(k + 1) + catch_up)
+                if rate > best_rate:
+                    best_k, best_rate = k, rate
+            if best_k == 0:
+                self.plain_steps += 1
+                if self.plain_steps >= ctl.probe_every * rows:  # now and then, see if drafting pays again
+                    self.plain_steps = 0
+                    if ready_rows is None or ready_rows > 0:
+                        best_k, self._probe_rows = 1, 1  # cheaply: one row, one token
+            else:
+                self.plain_steps = 0
+        self.decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
+        self.cap = best_k
+        return best_k
+
+    def row_length(self, max_len: int, ready: bool) -> int:
+        """How much one row may draft under the cap (a probe: the first ready row one token, the others none)."""
+        if self.cap == 0:
+            return 0
+        if self._probe_rows is not None:
+            if self._probe_rows == 0 or not ready:
+                return 0
+            self._probe_rows -= 1
+        return min(self.cap, max_len)
+
+    def plan_free(self, rows: int, drafts: list) -> int:
+        """When model drafting does not pay for the batch: how many tokens of each row's free (lookup)
+        draft to verify. The pass is as wide as its widest row, so every row pays for the widest draft;
+        the length maximises the batch's expected tokens per second from the measured acceptance by
+        position of each draft's source (0: a plain step)."""
+        longest = max((d.length for d in drafts), default=0)
+        t = lambda positions: self.measured.costs.verify_time(positions, rows)  # noqa: E731
+        if not longest or t(1) is None:
+            return 0
+        expected = [self.measured.expected_accepted(d.source, d.length) for d in drafts if d.length]
+        best_n, best_rate = 0, self.FREE_MIN_GAIN * rows / t(1)
+        for n in range(1, longest + 1):
+            rate = (rows + sum(e[min(n, len(e)) - 1] for e in expected)) / t(n + 1)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n

@@ -1,0 +1,64 @@
+"""Measure, at load, what the controller would otherwise learn on the first request's time: verify passes by width
+and a draft token. On llama.cpp with 2 cores the first request paid ~1 s learning that speculation cannot pay there
+(a one-off 96-token request ran at 0.75-0.83x plain); seeded, it starts from what this machine measured."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..sampling import SamplingParams
+from .adaptive import AdaptiveK
+
+WIDTHS = (1, 2, 4, 8)
+PROMPT_TOKENS = 32
+DRAFT_TOKENS = 4
+STOP_ABOVE = 3.0  # wider passes are not measured once one costs this many plain passes: no draft would fill them
+
+
+def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
+    """Time the backend's passes (a scratch row, removed after) and the drafter's reading and drafting (reset after);
+    feed the controller as the engine would. Returns what was measured, in seconds."""
+    prompt = (torch.arange(PROMPT_TOKENS) * 7 + 100).remainder(backend.vocab_size)[None]
+    measured: dict = {"verify_s": {}}
+    backend.add_row(prompt)  # also brings the weights into memory (the first pass over a fresh mmap is slow)
+    try:
+        passes = measured["verify_s"]
+        for _ in range(2):  # the faster of two: a hiccup must not make a width look dear
+            for width in WIDTHS:
+                if passes and max(passes.values()) > STOP_ABOVE * passes[1]:
+                    break
+                t0 = time.perf_counter()
+                backend.forward(prompt[:, :width], [width])
+                seconds = time.perf_counter() - t0
+                backend.keep([[0]])
+                controller.observe_pass(width, 1, seconds)
+                passes[width] = min(seconds, passes.get(width, seconds))
+    finally:
+        backend.remove_rows([backend.rows - 1])
+    controller.rows_changed()
+    if drafter is not None:
+        measured.update(_calibrate_drafter(controller, drafter, prompt))
+    return measured
+
+
+def _calibrate_drafter(controller: AdaptiveK, drafter, prompt: torch.Tensor) -> dict:
+    drafter.reset()
+    drafter.prefill(prompt)  # a first reading brings the draft's weights into memory: not timed
+    drafter.reset()
+    try:
+        t0 = time.perf_counter()
+        drafter.prefill(prompt)
+        reading = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        draft = drafter.propose(prompt, DRAFT_TOKENS, SamplingParams(), None)
+        drafting = time.perf_counter() - t0
+        model_passes = drafter.forward_passes
+    finally:
+        drafter.reset()
+    if model_passes == 0:  # a lookup drafter: it costs no model pass, there is nothing to time
+        return {}
+    controller.observe_reading(prompt.shape[1], reading)
+    controller.costs.observe_draft(draft.source, draft.length, drafting)
+    return {"draft_read_token_s": reading / prompt.shape[1], "draft_token_s": drafting / max(draft.length, 1)}

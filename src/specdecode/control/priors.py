@@ -1,0 +1,33 @@
+"""Every number the controller assumes before, or instead of, measuring — in one place, each with its reason.
+Times are never among them: what a pass or a draft token costs is measured on the machine that runs
+(`calibrate` at load, then every step), because it differs by 100x between CPUs and backends."""
+
+# Moving averages
+EMA_ALPHA = 0.2  # costs and acceptance remember ~5 steps: quick to follow a change in the text or the machine's load
+PASS_LEVEL_ALPHA = 0.3  # a pass's level follows the context length, which grows every step
+LEAF_HIT_ALPHA = 0.1  # a leaf hit is learned only at rejections, a rare and noisy event
+
+# Acceptance before anything is judged
+FIRST_ACCEPT = 0.6  # a step's first draft token; the Qwen pair measured 0.55-0.8 by task, so drafting starts hopeful
+CALIBRATION_WEIGHT = 4.0  # each confidence bin starts as 4 judged tokens on the identity (a calibrated draft)
+POSITION_ACCEPT = 0.5  # a lookup draft's position j, given the ones before were accepted: no better guess
+LEAF_HIT = 0.3  # a rejection's correction among the runner-ups: measured ~42 % on the Qwen pair; lower, so leaves earn their width
+
+# Margins: estimates are noisy and a wrong switch costs
+MIN_GAIN = 1.05  # one sequence drafts only for a predicted 5 % over plain decoding
+BATCH_MIN_GAIN = 1.15  # a batch, for 15 %: every row pays a draft and the pass widens for all
+FREE_MIN_GAIN = 1.05  # lookup drafts switch nothing on (no reading, no draft model): a small margin
+
+# Probing: drafting judged to lose is tried again now and then, more rarely while it keeps losing
+PROBE_EVERY = 8  # plain steps before the first probe
+MAX_PROBE_INTERVAL = 128  # at most this many: a probe then costs < 1 % even where a draft token costs two passes
+START_DRAFT = 1  # a fresh controller's first draft is short: where each position costs, 8 tokens + leaves took 8 s (AVX2)
+REGIME_CHANGE = 0.5  # a draft token this much cheaper than its average says the machine's load changed: probe soon
+
+# Reading: a drafter that has not read the prompt (or sat out steps) must read it before drafting
+READ_SHARE = 0.25  # at most this share of the plain time left (0.5B on llama.cpp, 2 cores: 800 tokens took 3.7 s)
+
+# Verify-cost model
+UNMEASURED_GROWTH = 0.5  # past the widest pass measured, cost grows at least half proportionally (batches are not free)
+MIN_WIDTH_GAP = 3  # a slope needs passes this far apart in width: closer ones differ mostly by noise
+SLOPE_SAMPLES = 9  # the slope is the median of this many: a hiccup does not move it
