@@ -185,3 +185,22 @@ def test_llama_drafters_refuse_what_they_cannot_do(backend):
             backend.forward(torch.tensor([[4, 5]]), [2], visibility=torch.ones(1, 2, 2, dtype=torch.bool))
         finally:
             backend.clear()
+
+
+def test_tune_runs_on_llama_cpp_and_writes_its_backend(tmp_path):
+    """`tune --backend llama.cpp` measures GGUF drafters (no torch-only variants offered), drops the draft of another
+    vocabulary with its reason, and writes a config whose backend the other commands then default to."""
+    import json
+
+    from specdecode.cli import build_parser, main
+    from specdecode.tune import read_config
+
+    out = tmp_path / "tuned.json"
+    assert main(["tune", "--target", "smollm2-135m", "--backend", "llama.cpp", "--threads", "2", "--limit", "2",
+                 "--max-new-tokens", "8", "--budget", "120", "--out", str(out)]) == 0
+    config = json.loads(out.read_text())
+    assert config["backend"] == "llama.cpp" and config["dtype"] is None
+    methods = [row["method"] for row in config["tuned"]["table"]]
+    assert methods and not any("+int4" in m or "self" in m for m in methods)
+    assert "vocabulary" in config["tuned"]["dropped"]["spec:qwen2.5-coder-0.5b:a8"]
+    assert build_parser(read_config(str(out))).parse_args(["generate", "hi"]).backend == "llama.cpp"

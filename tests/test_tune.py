@@ -73,7 +73,7 @@ def test_exports_name_their_equivalents_and_what_has_none():
     model = exports("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b+int8+head", 5, False)
     assert model["vllm"]["speculative_config"] == {"model": "Qwen/Qwen2.5-Coder-0.5B-Instruct", "num_speculative_tokens": 5}
     assert "--speculative-config" in model["vllm"]["command"] and "Qwen/Qwen2.5-Coder-1.5B-Instruct" in model["vllm"]["command"]
-    assert model["llama_cpp"]["flags"]["--draft-max"] == 5 and model["llama_cpp"]["flags"]["--draft-min"] == 5
+    assert model["llama_cpp"]["flags"]["--spec-draft-n-max"] == 5 and model["llama_cpp"]["flags"]["--spec-draft-n-min"] == 5
     assert model["transformers"] == {"assistant_model": "Qwen/Qwen2.5-Coder-0.5B-Instruct", "num_assistant_tokens": 5,
                                      "num_assistant_tokens_schedule": "constant"}
     assert any("int8" in n for n in model["notes"])

