@@ -17,7 +17,7 @@ GGUF=${GGUF_DIR:-$HOME/.cache/specdecode/gguf}
 TARGET=$GGUF/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 DRAFT=$GGUF/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 # 8 slots sharing one 16k-token cache (kv-unified), as our backend holds its rows
-LLAMA=("$BIN/llama-server" -m "$TARGET" -t "$THREADS" -tb "$THREADS" -np 8 -c 16384 -kvu --log-disable --port "$PORT")
+LLAMA=("$BIN/llama-server" -m "$TARGET" -t "$THREADS" -tb "$THREADS" -np 8 -c 16384 -kvu --port "$PORT")
 declare -A SERVERS=(
   [llama-server]="${LLAMA[*]}"
   [llama-server-draft]="${LLAMA[*]} -md $DRAFT --spec-type draft-simple -td $THREADS -tbd $THREADS"
@@ -43,7 +43,7 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "[llama-server-bench] round $round: $name" >&2
     run="$OUT/runs/r$round-$name"
     $SD bench --endpoint "$name=http://127.0.0.1:$PORT" --concurrency 1,4,8 --requests 8 --per-task 1 \
-      --max-new-tokens 64 --rounds 1 --out "$run" "$@" >/dev/null
+      --max-new-tokens 64 --rounds 1 --out "$run" "$@" >/dev/null || echo "[llama-server-bench] $name: some requests failed (see $run/load.md)" >&2
     kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
     RUNS+=("$run")
   done

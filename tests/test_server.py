@@ -253,14 +253,16 @@ def test_load_runs_pool_into_one_report(tmp_path, monkeypatch, capsys):
 def test_load_rounds_reverse_the_endpoint_order(monkeypatch):
     import specdecode.bench.load as load
 
-    seen = []
+    seen, firsts = [], []
 
     async def fake_level(url, *args):
         seen.append(url)
+        firsts.append(args[-1])
         return load.LevelResult(url, args[2], 1.0, [load.RequestResult(ok=True, latency_s=1.0, completion_tokens=5)])
 
     monkeypatch.setattr(load, "run_level", fake_level)
     rows = load.run_load({"a": "A", "b": "B", "c": "C"}, [], [1, 4], 1, 8, rounds=2)
     assert seen == ["A", "B", "C", "C", "B", "A"] * 2
+    assert firsts == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3  # the same prompts for every endpoint, fresh ones each time
     assert [(r["label"], r["concurrency"], r["requests"], r["output_tokens"]) for r in rows] == [
         (x, c, 2, 10) for c in (1, 4) for x in ("a", "b", "c")]

@@ -74,7 +74,8 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, temper
 
 
 async def run_level(url: str, model: str | None, prompts: list[list[dict]], concurrency: int, requests: int,
-                    max_tokens: int, temperature: float, time_limit: float, progress=None) -> LevelResult:
+                    max_tokens: int, temperature: float, time_limit: float, progress=None, first: int = 0) -> LevelResult:
+    """`requests` requests, `concurrency` at a time, on prompts[first], prompts[first + 1], ... (cycling)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=max(60.0, time_limit * 2))
@@ -87,7 +88,7 @@ async def run_level(url: str, model: str | None, prompts: list[list[dict]], conc
     async def worker():
         while queue and time.perf_counter() - start < time_limit:
             i = queue.pop(0)
-            results.append(await _one(client, model, prompts[i % len(prompts)], max_tokens, temperature))
+            results.append(await _one(client, model, prompts[(first + i) % len(prompts)], max_tokens, temperature))
             if progress:
                 progress(1)
 
@@ -101,15 +102,18 @@ def run_load(endpoints: dict[str, str], prompts: list[list[dict]], concurrency: 
              temperature: float = 0.0, time_limit: float = 600.0, model: str | None = None, progress=None,
              rounds: int = 2) -> list[dict]:
     """For each concurrency level, each endpoint in turn (reversed on every other round); returns one summary dict
-    per (endpoint, level) over all its rounds."""
+    per (endpoint, level) over all its rounds. Every endpoint gets the same prompts at a level and round; each level
+    and round moves on to the next prompts, so with enough of them no request repeats an earlier one (a server's
+    prompt cache, or a lookup drafter that remembers earlier answers, would otherwise be measured on repeats)."""
     rows = []
-    for c in concurrency:
+    for li, c in enumerate(concurrency):
         per_round: dict[str, list[LevelResult]] = {label: [] for label in endpoints}
         for r in range(rounds):
             order = list(endpoints) if r % 2 == 0 else list(reversed(endpoints))
+            first = (li * rounds + r) * requests
             for label in order:
                 per_round[label].append(asyncio.run(run_level(endpoints[label], model, prompts, c, requests, max_tokens,
-                                                              temperature, time_limit, progress)))
+                                                              temperature, time_limit, progress, first)))
         rows += [pooled_row(label, levels) for label, levels in per_round.items()]
     return rows
 
