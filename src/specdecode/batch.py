@@ -53,7 +53,7 @@ class BatchEngine:
     """Submit requests any time (thread-safe); a single thread calls `step()` repeatedly — best the thread
     that loaded the models (on the 2-core CPU stepping from another one ran target passes 17-20 % slower with
     a draft model loaded; see server.service.SchedulerThread). `adaptive` makes speculation load-aware (see
-    control.AdaptiveK). `target`: a Backend, or a transformers model (run by the torch backend)."""
+    control.BatchPolicy). `target`: a Backend, or a transformers model (run by the torch backend)."""
 
     def __init__(
         self,
