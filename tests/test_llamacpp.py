@@ -16,6 +16,7 @@ from stats_check import fit
 from tiny import keep_one_stale_entry, tiny_model
 
 NEW_TOKENS = 24
+SMOL_NEAR_TIE = 0.1  # SmolLM2's GGUF: batched rows differed from a row alone at a top-2 gap of 0.007 at most
 TEXTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "The three primary colours are red, yellow and",
@@ -95,7 +96,7 @@ def test_rows_as_sequence_ids_equal_each_row_alone(smol_gguf, prompts, reference
         # A pass over several sequences runs other kernels than a one-token pass: at a near-tie the rounding may
         # pick the other token (measured: a top-2 gap of 0.007), as bf16 does on torch. Anything else is a bug.
         gap = top2_gap(batched, torch.cat([requests[i]["input_ids"], torch.tensor([reference[:diff]])], 1))
-        assert gap < batched.near_tie_gap, f"row {i} differs at token {diff}, top-2 gap {gap:.3g}: not a near-tie"
+        assert gap < SMOL_NEAR_TIE, f"row {i} differs at token {diff}, top-2 gap {gap:.3g}: not a near-tie"
     assert identical >= 2
     assert batched.rows == 0
 

@@ -159,8 +159,8 @@ class BatchEngine:
         controller, B = self.controller, len(self.rows)
         trees = self._trees_on()
         # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
-        calibrate = controller is not None and not controller.costs.measured(1, B)
-        if controller is not None and not calibrate:
+        measure_plain = controller is not None and not controller.costs.measured(1, B)
+        if controller is not None and not measure_plain:
             drafting = [seq for seq in self.rows if seq.drafter is not None]
             unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
             report.cap = controller.batch.plan(B, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
@@ -169,7 +169,7 @@ class BatchEngine:
         drafts, draft_s, failed = [], [], []
         for seq in self.rows:
             t0 = time.perf_counter()
-            if calibrate and seq.drafter is not None:
+            if measure_plain and seq.drafter is not None:
                 seq.stats.plain_steps += 1
                 draft = Draft.empty()
             else:

@@ -148,8 +148,10 @@ class LlamaCppBackend(Backend):
 
     @property
     def near_tie_gap(self) -> float:
-        # Quantized kernels accumulate a many-token pass differently from a one-token one (see docs/results.md).
-        return 0.1
+        # Quantized kernels compute a many-token pass (and a prompt's reading) otherwise than a one-token one: on the
+        # Qwen 1.5B Q4_K_M the logits of passes of 2-8 positions differ from one-token logits by up to 0.67 at the
+        # same prefix (docs/results.md), so a top-2 gap below that may flip with the pass width.
+        return 0.7
 
     def describe(self) -> str:
         return f"llama.cpp, {self.model.path.name}"

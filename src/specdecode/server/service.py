@@ -113,7 +113,10 @@ class Service:
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.tokenizer, self.model_name = tokenizer, model_name
-        self.engine = BatchEngine(target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch)
+        self._scheduler = scheduler or SchedulerThread()
+        # Built where it will step: the engine times passes at construction (control.calibrate)
+        self.engine = self._scheduler.submit(
+            BatchEngine, target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch).result()
         self.eos = eos_token_ids(target, tokenizer)
         # No token covers more characters than the vocabulary's longest entry; 2x for normalizers that drop some.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
@@ -124,7 +127,6 @@ class Service:
         self._handles: dict[Sequence, Handle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._scheduler = scheduler or SchedulerThread()
         self._loop: Future | None = None  # the scheduler loop, running on the scheduler thread
         self._stopping = False
 
