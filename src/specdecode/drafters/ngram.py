@@ -5,8 +5,6 @@ Costs no model pass; pays where the answer repeats the context (summaries, RAG, 
 
 from __future__ import annotations
 
-import torch
-
 from .base import Draft, Drafter
 
 
