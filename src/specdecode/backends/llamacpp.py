@@ -213,7 +213,6 @@ class LlamaCppBackend(Backend):
         for row in range(B):
             logits[row, : widths[row]] = torch.from_numpy(out[start : start + widths[row]])
             start += widths[row]
-        self._pending = list(widths)
         return logits
 
     def keep(self, kept: list[list[int]]) -> None:
