@@ -212,3 +212,22 @@ def test_a_wide_pass_measured_on_a_long_prompt_does_not_cap_drafts_on_a_short_on
     table_only = AdaptiveK(max_k=8)
     table_only.pass_line.time = lambda positions: None  # the width-keyed table alone (the old model)
     assert replay(table_only) <= 2
+
+
+def test_the_marginal_rule_charges_offered_leaves_before_their_count_is_measured():
+    """Until a pass with leaves has measured how many a token carries, the plan charges the offered count: each drafted
+    token then widens the pass by 1 + leaves, and on a steep pass line drafting stops sooner than for a bare chain."""
+    def drafted(offered: int) -> int:
+        ctl = AdaptiveK(max_k=8, probe_every=1000)
+        for width in (1, 4, 7, 10, 13, 16, 19, 22, 25) * 2:
+            ctl.observe_pass(width, 1, 0.1 + 0.03 * width)
+        ctl.costs.observe_draft("model", 1, 0.01)
+        ctl._leaves_pay = lambda offered: True
+        plan = ctl.plan(8, leaves=offered)
+        assert plan.leaves and ctl.leaves_per_token.value is None
+        n = 1
+        while n < 8 and plan.keep_going(n, 0.8):
+            n += 1
+        return n
+
+    assert drafted(2) < drafted(0)

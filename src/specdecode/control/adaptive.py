@@ -29,6 +29,7 @@ class DraftPlan:
     length: int
     leaves: bool = False
     controller: AdaptiveK | None = None
+    offered: int = 0  # leaves the drafter offers per token (their width until the actual count is measured)
     expected: float = 1.0  # tokens the step is expected to bring so far (the target's own token at least)
     elapsed: float = 0.0  # seconds it is expected to cost so far
     survive: float = 1.0  # probability that every token drafted so far is accepted
@@ -42,7 +43,7 @@ class DraftPlan:
         accept, leaf_hit = ctl.calibrator.predict(confidence), ctl.leaf_hit_rate(self.leaves)
         self.expected += self.survive * (accept + (1 - accept) * leaf_hit)  # this token, or a leaf at its place
         self.survive *= accept
-        verify = lambda positions: ctl.verify_model_draft(positions, self.leaves)  # noqa: E731
+        verify = lambda positions: ctl.verify_model_draft(positions, self.leaves, self.offered)  # noqa: E731
         self.elapsed += t_draft + verify(drafted + 1) - verify(drafted)
         gain = self.survive * (accept + (1 - accept) * leaf_hit)  # the next token is predicted to fare like this one
         cost = t_draft + verify(drafted + 2) - verify(drafted + 1)
@@ -153,7 +154,7 @@ class AdaptiveK:
             return DraftPlan(self.batch.row_length(max_len, ready), controller=self, elapsed=self._verify(1))
         with_leaves = self._leaves_pay(leaves)
         length = self._length(max_len, max_len if remaining is None else remaining, ready, unread, with_leaves, leaves)
-        return DraftPlan(length, with_leaves, self, elapsed=self._verify(1))
+        return DraftPlan(length, with_leaves, self, offered=leaves, elapsed=self._verify(1))
 
     def _length(self, max_len: int, remaining: int, ready: bool, unread: int, with_leaves: bool, offered: int) -> int:
         # The gate compares with plain passes as measured: the line's level fits wide passes, and where the first
