@@ -7,10 +7,12 @@ THREADS ?= $(shell nproc)
 
 .PHONY: setup demo test test-slow fuzz bench bench-llama bench-serve clean
 
-$(STAMP): pyproject.toml
+# llama-cpp-python first, compiled from its sdist with patches/llama-cpp/ applied (the pin in pyproject is then met).
+$(STAMP): pyproject.toml scripts/build-llama-cpp-python.sh scripts/llama-cpp-source.sh $(wildcard patches/llama-cpp/*.patch)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(CMAKE_ARGS)" $(BIN)/python -m pip install -q -e '.[test,llama]'
+	PYTHON=$(BIN)/python scripts/build-llama-cpp-python.sh
+	$(BIN)/python -m pip install -q -e '.[test,llama]'
 	touch $(STAMP)
 
 setup: $(STAMP)

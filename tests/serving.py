@@ -55,3 +55,12 @@ def metric(server, name: str, labels: str = "") -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def post(server, path, body, timeout=60):
+    return httpx.post(server.url + path, json=body, timeout=timeout)
+
+
+def error_of(response, status=400) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error

@@ -2,7 +2,7 @@
 
 import pytest
 
-import specdecode.sequence as sequence_module
+import specdecode.sampling as sampling_module
 from specdecode import SpecDecoder
 from tiny import keep_one_stale_entry
 from specdecode.check import check_greedy, first_difference, summarize_greedy
@@ -73,8 +73,9 @@ def test_sampling_check_passes_and_catches_a_wrong_rule(monkeypatch):
     prompts = [Prompt("p", "t", "3a7c91")]
     ok = check_sampling(decoder, prompts, samples=1500, positions=2, temperature=1.0, chat=False)
     assert len(ok) == 2 and all(c.passed for c in ok), ok
-    monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
-    bad = check_sampling(decoder, prompts, samples=1500, positions=2, temperature=1.0, chat=False)
+    monkeypatch.setattr(sampling_module, "speculative_accept", wrong_rule_resample_from_p)
+    # twice the samples: at 1500 the wrong rule's bias (TVD ~0.08 against ~0.05 of noise) is found only for some seeds
+    bad = check_sampling(decoder, prompts, samples=3000, positions=2, temperature=1.0, chat=False)
     assert any(c.verdict == "FAIL" for c in bad), bad
     few = check_sampling(decoder, prompts, samples=3, positions=1, temperature=1.0, chat=False)
     assert [c.verdict for c in few] == ["INCONCLUSIVE"]

@@ -7,6 +7,7 @@ from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEn
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, Ema
 from specdecode.drafters import ComboDrafter, Draft
+from specdecode.sampling import StreamDraws
 from specdecode.drafters.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from replay import observe_step
 from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results, sample_generations
@@ -305,17 +306,17 @@ def _drafts_through_rollbacks(drafter: ModelDrafter) -> list[Draft]:
     prompt = random_prompt(6, 9)
     drafter.reset()
     drafter.prefill(prompt)
-    drafts.append(drafter.propose(prompt, 4, sampling, torch.Generator().manual_seed(0)))
+    drafts.append(drafter.propose(prompt, 4, sampling, StreamDraws(torch.Generator().manual_seed(0))))
     committed = torch.cat([prompt, drafts[-1].tokens[:, :2], torch.tensor([[7]])], dim=1)  # 2 of 4 accepted
     drafter.commit(committed)
-    drafts.append(drafter.propose(committed, 3, sampling, torch.Generator().manual_seed(1)))
+    drafts.append(drafter.propose(committed, 3, sampling, StreamDraws(torch.Generator().manual_seed(1))))
     committed = torch.cat([committed, drafts[-1].tokens, torch.tensor([[9]]), random_prompt(8, 4)], dim=1)
     drafter.commit(committed[:, :-4])  # all accepted, then plain steps the drafter sat out
-    drafts.append(drafter.propose(committed, 5, sampling, torch.Generator().manual_seed(2)))
+    drafts.append(drafter.propose(committed, 5, sampling, StreamDraws(torch.Generator().manual_seed(2))))
     drafter.reset()
     other = random_prompt(9, 5)
     drafter.prefill(other)
-    drafts.append(drafter.propose(other, 4, sampling, torch.Generator().manual_seed(3)))
+    drafts.append(drafter.propose(other, 4, sampling, StreamDraws(torch.Generator().manual_seed(3))))
     return drafts
 
 

@@ -130,25 +130,25 @@ class SharperDraft(LlamaDrafter):
     """The target's own GGUF drafting at a lower temperature: q differs from p on the same few tokens (a draft with
     q = p is never rejected, so a wrong rejection rule would not show). Its q is what it sampled from: lossless."""
 
-    def propose(self, input_ids, k, sampling, generator, keep_going=None):
+    def propose(self, input_ids, k, sampling, draws, keep_going=None):
         sharper = SamplingParams(sampling.temperature * 0.4, sampling.top_k, sampling.top_p)
-        return super().propose(input_ids, k, sharper, generator, keep_going)
+        return super().propose(input_ids, k, sharper, draws, keep_going)
 
 
 @pytest.mark.parametrize("lossless", [True, False], ids=["speculative-rule", "wrong-rule"])
 def test_sampling_follows_llama_cpps_distribution(backend, smol_gguf, prompts, monkeypatch, lossless):
-    import specdecode.sequence as sequence_module
+    import specdecode.sampling as sampling_module
     from test_sampling import wrong_rule_resample_from_p
 
     if not lossless:
-        monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
+        monkeypatch.setattr(sampling_module, "speculative_accept", wrong_rule_resample_from_p)
     params = SamplingParams(temperature=1.5, top_k=TOP_K)
     prompt = prompts[1][:, :5]  # short: each sample pays two prefills
     engine = SpeculativeEngine(backend, SharperDraft(LlamaCppBackend(smol_gguf, threads=2)), k=2)
     generated, drafted_second = [], 0
     for seed in range(SAMPLES):
-        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
-        result = engine.generate(prompt, max_new_tokens=4, sampling=sampling).result()  # drafts of 2 after token 1
+        torch.manual_seed(seed)  # unseeded: the min(1, p/q) rule
+        result = engine.generate(prompt, max_new_tokens=4, sampling=params).result()  # drafts of 2 after token 1
         generated.append(result.token_ids)
         drafted_second += len(result.stats.drafted_per_position) > 1
     assert drafted_second > SAMPLES // 2  # the first step drafted 2 tokens

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import specdecode.sequence as sequence_module
+import specdecode.sampling as sampling_module
 from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
 from specdecode.sampling import logits_to_probs
 from specdecode.verify import speculative_accept
@@ -138,9 +138,13 @@ def assert_drafts_reached_the_second_position(stats_list) -> None:
 
 
 def sample_generations(engine, prompt, params: SamplingParams, n: int) -> tuple[list[list[int]], list]:
+    """n generations; unseeded (params.seed None: the min(1, p/q) rule, each run from its own torch seed) or seeded
+    with seeds params.seed, params.seed + 1, ... (position-keyed draws)."""
     generated, stats = [], []
     for i in range(n):
-        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=i)
+        torch.manual_seed(i)
+        seed = None if params.seed is None else params.seed + i
+        sampling = SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed)
         result = engine.generate(prompt, max_new_tokens=MAX_NEW_TOKENS, sampling=sampling, k=K).result()
         generated.append(result.token_ids)
         stats.append(result.stats)
@@ -153,10 +157,13 @@ SETTINGS = [
     SamplingParams(temperature=1.0, top_p=0.9),
     SamplingParams(temperature=0.8, top_k=5),
 ]
-SETTING_IDS = lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}"  # noqa: E731
+SETTING_IDS = lambda p: f"T{p.temperature}-p{p.top_p}-k{p.top_k}" + ("" if p.seed is None else "-seeded")  # noqa: E731
+# Seeded requests are judged by position-keyed draws (sampling.KeyedDraws), unseeded ones by min(1, p/q); top-k puts
+# log(0) = -inf into the perturbed scores
+SEEDED = [SamplingParams(temperature=0.8, top_k=5, seed=90_000), SamplingParams(temperature=1.0, seed=50_000)]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=SETTING_IDS)
+@pytest.mark.parametrize("params", SETTINGS + SEEDED[:1], ids=SETTING_IDS)
 def test_speculative_sampling_matches_target_distribution(small_vocab_pair, params):
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
@@ -167,8 +174,67 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_pair, para
 
 @pytest.mark.parametrize("params", [SETTINGS[0], SETTINGS[2], SETTINGS[3]], ids=SETTING_IDS)
 def test_distribution_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, monkeypatch, params):
-    monkeypatch.setattr(sequence_module, "speculative_accept", wrong_rule_resample_from_p)
+    monkeypatch.setattr(sampling_module, "speculative_accept", wrong_rule_resample_from_p)
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)
     generated, _ = sample_generations(SpeculativeEngine(target, ModelDrafter(draft), k=K), prompt, params, SAMPLES)
     assert_lossless(check_results(generated, target, prompt, params), lossless=False)
+
+
+# ----------------------------------------------------------------------------- seeded requests (position-keyed draws)
+
+
+def wrong_keyed_rule_accept_every_draft(draft_tokens, target_probs, noise):
+    """Wrong: keeps the whole draft, so drafted tokens follow q instead of p."""
+    k = draft_tokens.shape[1]
+    accepted_len = torch.full((draft_tokens.shape[0],), k)
+    return accepted_len, (target_probs[:, k].log() + noise[k]).argmax(-1)
+
+
+def test_seeded_distribution_check_fails_for_a_wrong_keyed_rule(small_vocab_pair, monkeypatch):
+    monkeypatch.setattr(sampling_module, "keyed_accept", wrong_keyed_rule_accept_every_draft)
+    target, draft = small_vocab_pair
+    prompt = random_prompt(5, 6, vocab=VOCAB)
+    generated, _ = sample_generations(SpeculativeEngine(target, ModelDrafter(draft), k=K), prompt, SEEDED[1], SAMPLES)
+    assert_lossless(check_results(generated, target, prompt, SEEDED[1]), lossless=False)
+
+
+def test_a_seed_gives_the_same_text_whether_steps_draft_or_not(small_vocab_pair):
+    """Drafting off, fixed drafts of 1, 3 and 6 tokens, adaptive, a model draft or lookups: one seed, one text."""
+    from specdecode import NgramDrafter
+    from specdecode.batch import BatchEngine
+
+    target, draft = small_vocab_pair
+    prompt = random_prompt(7, 9, vocab=VOCAB)
+    for seed in (0, 1, 2**40 + 3):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        plain = SpeculativeEngine(target, None).generate(prompt, max_new_tokens=24, sampling=sampling).result()
+        runs = [SpeculativeEngine(target, ModelDrafter(draft), k=k, adaptive=False) for k in (1, 3, 6)]
+        runs += [SpeculativeEngine(target, ModelDrafter(draft), k=4, adaptive=True),
+                 SpeculativeEngine(target, NgramDrafter(max_ngram=2), k=4, adaptive=False)]
+        drafted = 0
+        for engine in runs:
+            result = engine.generate(prompt, max_new_tokens=24, sampling=sampling).result()
+            assert result.token_ids == plain.token_ids, (seed, engine)
+            drafted += result.stats.drafted_tokens
+        assert drafted > 0 and plain.stats.drafted_tokens == 0
+        # a row batched beside others draws the same text too
+        batched = BatchEngine(target, ModelDrafter(draft), k=3, adaptive=False, max_batch=4).generate_all(
+            [dict(input_ids=random_prompt(s, 5, vocab=VOCAB), max_new_tokens=24, sampling=sampling) for s in (20, 21)]
+            + [dict(input_ids=prompt, max_new_tokens=24, sampling=sampling)])
+        assert batched[-1].result.token_ids == plain.token_ids
+
+
+def test_every_bit_of_a_64_bit_seed_counts():
+    from specdecode.sampling import KeyedDraws
+
+    seeds = [0, 2**32, -(2**63), 2**63 - 1, -1, 1]
+    noises = [KeyedDraws(s).noise(3, 64) for s in seeds]
+    for i in range(len(seeds)):
+        for j in range(i + 1, len(seeds)):
+            assert not torch.equal(noises[i], noises[j]), (seeds[i], seeds[j])
+    assert torch.equal(KeyedDraws(-1).noise(3, 64), KeyedDraws(2**64 - 1).noise(3, 64))  # one 64-bit value
+    assert torch.equal(KeyedDraws(7).noise(3, 64), KeyedDraws(7).noise(3, 64))
+    assert not torch.equal(KeyedDraws(7).noise(3, 64), KeyedDraws(7).noise(4, 64))
+    with pytest.raises(ValueError, match="64-bit"):
+        KeyedDraws(2**64)

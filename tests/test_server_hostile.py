@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from serving import MODEL, RunningServer, metric
+from serving import MODEL, RunningServer, error_of, metric, post
 from specdecode import ModelDrafter, SpecDecoder
 from specdecode.server import Service
 from tiny import tiny_model
@@ -37,17 +37,6 @@ def slow_server(tokenizer):
     service = Service(model, tokenizer, None, model_name=MODEL, max_batch=2)
     with RunningServer(service) as running:
         yield running
-
-
-def post(server, path, body, timeout=60):
-    return httpx.post(server.url + path, json=body, timeout=timeout)
-
-
-def error_of(response, status=400) -> dict:
-    assert response.status_code == status, (response.status_code, response.text)
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
-    return error
 
 
 def completion(prompt="w5 w6 w7", **fields):

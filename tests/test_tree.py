@@ -113,8 +113,10 @@ def test_batched_engine_uses_leaves_for_a_row_alone(target, near_draft, referenc
 ALL_OTHERS = VOCAB - 1
 
 
-@pytest.mark.parametrize("alternatives", [2, ALL_OTHERS])
-@pytest.mark.parametrize("params", SETTINGS[:2], ids=lambda p: f"T{p.temperature}")
+@pytest.mark.parametrize("alternatives, params", [
+    (alternatives, params) for alternatives in (2, ALL_OTHERS) for params in SETTINGS[:2]
+] + [(ALL_OTHERS, SamplingParams(temperature=1.0, seed=10_000))],  # seeded: position-keyed draws through every leaf
+    ids=lambda v: f"T{v.temperature}{'-seeded' if v.seed is not None else ''}" if isinstance(v, SamplingParams) else str(v))
 def test_sampling_with_leaves_matches_target_distribution(small_vocab_pair, params, alternatives):  # noqa: F811
     target, draft = small_vocab_pair
     prompt = random_prompt(5, 6, vocab=VOCAB)

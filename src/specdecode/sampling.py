@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .verify import keyed_accept, speculative_accept
 
 # As vLLM's sampling epsilon: logits of ~1e2 over 1e-5 stay far inside fp32's range.
 GREEDY_BELOW = 1e-5
@@ -38,13 +41,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+    def draws(self) -> "StreamDraws | KeyedDraws | None":
+        """Where this request's random choices come from: none when greedy; keyed by position when seeded (the text
+        is then the seed's whatever the steps drafted); else one stream started from torch's global generator (so
+        `torch.manual_seed` makes a script reproducible, as with transformers' generate)."""
+        if self.greedy:
+            return None
+        if self.seed is not None:
+            return KeyedDraws(self.seed)
+        return StreamDraws(torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()))))
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -71,6 +76,62 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[B, V] probabilities -> [B] token ids."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+class StreamDraws:
+    """Random choices from one stream, in the order they are made (requests without a seed). Drafts are judged by
+    the optimal lossless rule, min(1, p/q) and the residual (verify.speculative_accept); which draws a step
+    consumes depends on how much it drafted, so the text depends on the drafting decisions (not its distribution)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def sample(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """[B, V] probabilities -> [B] token ids."""
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def accept(self, draft_tokens, draft_probs, target_probs, start: int):
+        return speculative_accept(draft_tokens, draft_probs, target_probs, self.generator)
+
+    def forget_before(self, position: int) -> None:
+        pass
+
+
+class KeyedDraws:
+    """Random choices keyed by (seed, position) (seeded requests): the token at position i is argmax(log p_i + g_i),
+    with Gumbel noise g_i drawn from a generator keyed by the whole 64-bit seed and i. That is an exact sample from
+    p_i (Gumbel-max) and depends on nothing else, so a seed gives the same text whether steps drafted or not, and
+    however long the drafts were. A draft samples its q with the same g_i (verify.keyed_accept), so a draft near the
+    target often proposes the target's own token; a drafted token is accepted iff it is that token. Acceptance is
+    a little below min(1, p/q)'s (Gumbel coupling agrees with probability >= (1 - TV) / (1 + TV) against 1 - TV);
+    n-gram drafts (q one-hot) are accepted exactly as often."""
+
+    def __init__(self, seed: int):
+        if not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {seed!r}")
+        self.seed = seed % 2**64  # signed and unsigned spellings of one 64-bit value are one seed
+        self._noise: dict[int, torch.Tensor] = {}
+
+    def noise(self, position: int, vocab: int) -> torch.Tensor:
+        """Gumbel noise [V] of a position (the same for the draft and the target)."""
+        g = self._noise.get(position)
+        if g is None or g.shape[0] != vocab:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, position])))
+            u = rng.random(vocab, dtype=np.float32)
+            g = torch.from_numpy(-np.log(-np.log(u)))  # u = 0 gives -inf: that token is never drawn
+            self._noise[position] = g
+        return g
+
+    def forget_before(self, position: int) -> None:
+        """Positions before this one are committed: their noise is never asked for again."""
+        for old in [p for p in self._noise if p < position]:
+            del self._noise[old]
+
+    def sample(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """[B, V] probabilities -> [B] token ids (each row at the same position)."""
+        return (probs.log() + self.noise(position, probs.shape[-1])).argmax(-1)
+
+    def accept(self, draft_tokens, draft_probs, target_probs, start: int):
+        """target_probs [1, n+1, V] at positions start.. : the target's own keyed tokens there, and the draft's
+        longest prefix that equals them."""
+        n = target_probs.shape[1]
+        noise = torch.stack([self.noise(start + j, target_probs.shape[-1]) for j in range(n)])
+        return keyed_accept(draft_tokens, target_probs, noise)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters.base import Draft, Drafter
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, logits_to_probs
 from .stats import GenerationStats
 from .stopping import StopCondition
-from .verify import greedy_accept, speculative_accept
+from .verify import greedy_accept
 
 
 @dataclass
@@ -73,7 +73,9 @@ class Sequence:
         self.max_new_tokens, self.k, self.sampling = max_new_tokens, k, sampling
         self.stop = stop or StopCondition()
         self.drafter = drafter
-        self.generator = None if sampling.greedy else sampling.generator()
+        self.speculate = drafter is not None  # the batched engine hands it a drafter when it joins the rows
+        self.prompt_read = 0  # prompt tokens the target has read (a long prompt is read over several steps)
+        self.draws = sampling.draws()  # None when greedy
         self.result = GenerationResult()
         self.result.stats.prompt_tokens = self.prompt.shape[1]
         self.ids = self.prompt  # committed tokens [1, n]
@@ -102,7 +104,7 @@ class Sequence:
         or (prefill_drafter=False, the batched engine) at the first step that drafts: under load, when
         speculation is off, a request then never pays for the draft model reading its prompt."""
         self.stats.target_passes += 1
-        first = logits.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(logits, self.sampling), self.generator)
+        first = self._choose(logits, self.prompt.shape[1])
         self.ids = torch.cat([self.prompt, first[:, None].cpu()], dim=1)
         self.new = [int(first)]
         self.new_logprobs = self._logprobs(logits, self.new)
@@ -180,7 +182,7 @@ class Sequence:
                 self.step_prefill_s = self._prefill_drafter()
                 controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)
             passes_before = self.drafter.forward_passes
-            draft = controller.trim(self.drafter.propose(self.ids, plan.length, self.sampling, self.generator, plan.keep_going))
+            draft = controller.trim(self.drafter.propose(self.ids, plan.length, self.sampling, self.draws, plan.keep_going))
             if not plan.leaves:
                 draft.alternatives = None
             if draft.reading_s:  # a catch-up pass over all but the last unread token
@@ -192,6 +194,12 @@ class Sequence:
         if draft.length == 0 and budget > 0:
             self.stats.plain_steps += 1
         return draft
+
+    def _choose(self, logits: torch.Tensor, position: int) -> torch.Tensor:
+        """The target's own token at `position` from its logits [1, V]: the argmax, or the request's draw."""
+        if self.sampling.greedy:
+            return logits.argmax(-1)
+        return self.draws.sample(logits_to_probs(logits, self.sampling), position)
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
         """The target's log-probabilities of `tokens` from their logits [n, V] (nothing when not asked for)."""
@@ -217,11 +225,12 @@ class Sequence:
         leaf_logits {(position, rank): [1, V]}: the target's logits after each leaf (tree.py). When the
         target's own token at the first rejection is one of them, the target's next token after it is known
         too and is committed as well; `self.leaf` then says which leaf ((position, rank), else None)."""
+        start = self.ids.shape[1]  # the position of the first drafted token
         if self.sampling.greedy:
             accepted_len, next_token = greedy_accept(draft.tokens, logits)
         else:
             target_probs = logits_to_probs(logits, self.sampling)
-            accepted_len, next_token = speculative_accept(draft.tokens, draft.probs, target_probs, self.generator)
+            accepted_len, next_token = self.draws.accept(draft.tokens, draft.probs, target_probs, start)
         accepted, correction = int(accepted_len[0]), int(next_token[0])
         self.new = draft.tokens[0, :accepted].tolist() + [correction]
         self.new_logprobs = self._logprobs(logits[0, : accepted + 1], self.new)
@@ -231,10 +240,12 @@ class Sequence:
             if correction in runners_up:
                 self.leaf = (accepted, runners_up.index(correction))
                 after = leaf_logits[self.leaf]  # [1, V]: the target's logits after the correction
-                self.new.append(int(after.argmax(-1) if self.sampling.greedy else sample(logits_to_probs(after, self.sampling), self.generator)))
+                self.new.append(int(self._choose(after, start + accepted + 1)))
                 self.new_logprobs += self._logprobs(after, self.new[-1:])
                 self.stats.leaf_tokens += 1
         self.ids = torch.cat([self.ids, torch.tensor([self.new])], dim=1)
+        if self.draws is not None:
+            self.draws.forget_before(self.ids.shape[1])
         if self.drafter is not None:
             self.drafter.commit(self.ids)
         self.stats.target_passes += 1

@@ -79,3 +79,13 @@ def speculative_accept(
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
     next_token = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
     return accepted_len, next_token
+
+
+def keyed_accept(
+    draft_tokens: torch.Tensor,  # [B, k]
+    target_probs: torch.Tensor,  # [B, k+1, V] processed p
+    noise: torch.Tensor,  # [k+1, V] Gumbel noise of those positions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance over the Gumbel-perturbed log-probabilities log p + g: the target's token at each position
+    is its Gumbel-max sample, and the draft's prefix that equals those is kept."""
+    return greedy_accept(draft_tokens, target_probs.log() + noise)

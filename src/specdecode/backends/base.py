@@ -49,9 +49,21 @@ class Backend(ABC):
         """Positions the row's cache holds."""
 
     @abstractmethod
+    def open_row(self) -> "RowReader":
+        """A new row, read chunk by chunk between passes (a long prompt then never stalls the other rows for its
+        whole reading); it joins the batch as the last row when `join`ed. Passes do not see it before."""
+
     def add_row(self, prompt: torch.Tensor) -> torch.Tensor:
         """Read a prompt [1, L] into a new last row; returns the logits after its last token [1, V] (fp32, CPU).
         On failure (out of memory, say) no row is added and the others are untouched."""
+        reader = self.open_row()
+        try:
+            logits = reader.read(prompt)
+        except BaseException:
+            reader.discard()
+            raise
+        reader.join()
+        return logits
 
     @abstractmethod
     def forward(
@@ -82,6 +94,23 @@ class Backend(ABC):
     def check_visibility(self, visibility: torch.Tensor | None) -> None:
         if visibility is not None and not self.supports_tree:
             raise BackendError(f"the {self.name} backend verifies chains only (no tree leaves)")
+
+
+class RowReader(ABC):
+    """A row being read before it joins the batch (Backend.open_row)."""
+
+    @abstractmethod
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [1, n] to the row -> the logits after the last [1, V] (fp32, CPU). On failure the row is
+        as it was before this call."""
+
+    @abstractmethod
+    def join(self) -> None:
+        """The row joins the batch as its last row (what it read is its cache)."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Forget the row (its request was cancelled or failed)."""
 
 
 def chain_offsets(batch: int, width: int) -> torch.Tensor:

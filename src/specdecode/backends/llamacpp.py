@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Backend, BackendError, chain_offsets
+from .base import Backend, BackendError, RowReader, chain_offsets
+from .llamaguard import vet
+from .llamaprobe import buffer_types
 
 PINNED = "llama-cpp-python==0.3.36"
 INSTALL_HINT = (
@@ -40,28 +42,48 @@ def available() -> bool:
     return True
 
 
-_quiet = None  # the log callback must outlive every context
+_log_callback = None  # must outlive every context
+_log_lines: list[str] | None = None  # llama.cpp's log while a model loads (else dropped)
 
 
-def _silence(lib) -> None:
-    global _quiet
-    if _quiet is None:
-        _quiet = lib.llama_log_callback(lambda level, text, data: None)
-        lib.llama_log_set(_quiet, ctypes.c_void_p())
+def _capture_log(lib) -> None:
+    global _log_callback
+    if _log_callback is None:
+        def keep(level, text, data):
+            if _log_lines is not None:
+                _log_lines.append(text.decode(errors="replace"))
+
+        _log_callback = lib.llama_log_callback(keep)
+        lib.llama_log_set(_log_callback, ctypes.c_void_p())
+
+
+def system_info() -> str:
+    """llama.cpp's own line of what this build runs: "CPU : SSE3 = 1 | AVX2 = 1 | ... | AMX_INT8 = 1 | REPACK = 1"."""
+    return load_library().llama_print_system_info().decode().strip()
 
 
 class LlamaModel:
-    """A GGUF file loaded once (weights shared by every context made from it)."""
+    """A GGUF file loaded once (weights shared by every context made from it), into llama.cpp's extra buffer types
+    where a child-process probe found them safe here (llamaguard)."""
 
     def __init__(self, path: str | Path):
+        global _log_lines
         lib = load_library()
         path = Path(path)
         if not path.is_file():
             raise BackendError(f"no GGUF file at {path}")
-        _silence(lib)
+        self.verdict = vet(path)
+        _capture_log(lib)
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
-        self.model = lib.llama_model_load_from_file(str(path).encode(), params)
+        params.use_extra_bufts = self.verdict.extra_buffers
+        _log_lines = []
+        try:
+            self.model = lib.llama_model_load_from_file(str(path).encode(), params)
+            # the weights' buffer types (CPU_REPACK, AMX, CPU_Mapped, ...): which kernels every number ran on
+            self.buffer_types = tuple(buffer_types(_log_lines))
+        finally:
+            _log_lines = None
         if not self.model:
             raise BackendError(f"llama.cpp could not load {path}")
         self.lib, self.path = lib, path
@@ -130,6 +152,27 @@ class Context:
             self.ctx = None
 
 
+class LlamaRowReader(RowReader):
+    """A sequence id of the context, read before it joins the batch's rows."""
+
+    def __init__(self, backend: "LlamaCppBackend", seq: int):
+        self.backend, self.seq, self.length = backend, seq, 0
+
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.backend._read(self.seq, self.length, tokens[0].tolist())
+        self.length += tokens.shape[1]
+        return logits
+
+    def join(self) -> None:
+        self.backend._reading.discard(self.seq)
+        self.backend._seqs.append(self.seq)
+        self.backend._lengths.append(self.length)
+
+    def discard(self) -> None:
+        self.backend.context.forget(self.seq)
+        self.backend._reading.discard(self.seq)
+
+
 class LlamaCppBackend(Backend):
     name = "llama.cpp"
     supports_tree = False
@@ -143,6 +186,7 @@ class LlamaCppBackend(Backend):
         self.max_rows, self.threads = max_rows, threads
         self.context = Context(self.model, threads, self.context_window, max_rows, max_pass)
         self._seqs: list[int] = []  # row -> sequence id
+        self._reading: set[int] = set()  # sequence ids of rows being read (open_row), not yet joined
         self._lengths: list[int] = []  # row -> cached positions
         self._pending: list[int] | None = None  # widths of the pass not yet kept
 
@@ -154,7 +198,8 @@ class LlamaCppBackend(Backend):
         return 0.7
 
     def describe(self) -> str:
-        return f"llama.cpp, {self.model.path.name}"
+        buffers = ", ".join(self.model.buffer_types) or "unknown"
+        return f"llama.cpp, {self.model.path.name} (weights in {buffers})"
 
     @property
     def rows(self) -> int:
@@ -163,14 +208,13 @@ class LlamaCppBackend(Backend):
     def length(self, row: int) -> int:
         return self._lengths[row]
 
-    def add_row(self, prompt: torch.Tensor) -> torch.Tensor:
-        if self.rows >= self.max_rows:
+    def open_row(self) -> "LlamaRowReader":
+        free = set(range(self.max_rows)) - set(self._seqs) - self._reading
+        if not free:
             raise BackendError(f"this llama.cpp context holds {self.max_rows} rows")
-        seq = min(set(range(self.max_rows)) - set(self._seqs))
-        logits = self._read(seq, 0, prompt[0].tolist())
-        self._seqs.append(seq)
-        self._lengths.append(prompt.shape[1])
-        return logits
+        seq = min(free)
+        self._reading.add(seq)
+        return LlamaRowReader(self, seq)
 
     def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [1, n] to a row's cache -> the logits after the last [1, V] (only that position's output

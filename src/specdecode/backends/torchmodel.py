@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .base import Backend, chain_offsets
+from .base import Backend, RowReader, chain_offsets
 
 
 def target_logits(model, tokens: torch.Tensor, cache: DynamicCache, last_only: bool = False, **kwargs) -> torch.Tensor:
@@ -45,6 +45,29 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool [B, 1, Q, K] mask -> the additive float mask attention takes (0 where allowed)."""
     mask = torch.zeros(allowed.shape, dtype=dtype)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+class TorchRowReader(RowReader):
+    """A row read into a cache of its own; joining left-pads it beside the batch's rows."""
+
+    def __init__(self, backend: "TorchBackend"):
+        self.backend = backend
+        self.cache = DynamicCache(config=backend.model.config)
+
+    def read(self, tokens: torch.Tensor) -> torch.Tensor:
+        before = self.cache.get_seq_length()
+        try:
+            return target_logits(self.backend.model, tokens, self.cache, last_only=True)[:, -1]
+        except BaseException:
+            rollback(self.cache, before)
+            raise
+
+    def join(self) -> None:
+        self.backend._join(self.cache)
+        self.cache = None
+
+    def discard(self) -> None:
+        self.cache = None
 
 
 def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -92,11 +115,8 @@ class TorchBackend(Backend):
     def length(self, row: int) -> int:
         return int(self.mask[row].sum())
 
-    def add_row(self, prompt: torch.Tensor) -> torch.Tensor:
-        cache = DynamicCache(config=self.model.config)
-        logits = target_logits(self.model, prompt, cache, last_only=True)[:, -1]
-        self._join(cache)
-        return logits
+    def open_row(self) -> "TorchRowReader":
+        return TorchRowReader(self)
 
     def forward(self, tokens, widths, offsets=None, visibility=None):
         self.check_visibility(visibility)

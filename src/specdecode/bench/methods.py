@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.llamaguard import default_params_for
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
 from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, make_drafter, make_llama_drafter, model_spec_of
@@ -123,8 +124,11 @@ class LlamaCppMethod(Method):
         draft = LlamaPromptLookupDecoding(num_pred_tokens=HF_PLD_TOKENS) if prompt_lookup else None
         # flash attention as llama.cpp's default context (auto: on for a CPU) and ours have it: the same kernels, so
         # the same greedy tokens; `Llama` alone would turn it off
-        self.llm = Llama(model_path=str(gguf), n_ctx=window + 512, n_threads=threads, n_threads_batch=threads,
-                         verbose=False, draft_model=draft, flash_attn=True)
+        import llama_cpp
+
+        with default_params_for(llama_cpp, gguf):  # the weight layouts our backend loads this file with
+            self.llm = Llama(model_path=str(gguf), n_ctx=window + 512, n_threads=threads, n_threads_batch=threads,
+                             verbose=False, draft_model=draft, flash_attn=True)
         self.settings = dict(engine="llama-cpp-python Llama", prompt_lookup=HF_PLD_TOKENS if prompt_lookup else None)
 
     def run(self, input_ids, max_new_tokens, sampling):

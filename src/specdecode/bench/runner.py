@@ -36,7 +36,8 @@ def cpu_features() -> dict:
                 break
     except OSError:
         pass
-    return dict(cpu=name, avx2="avx2" in flags, avx512f="avx512f" in flags, avx512_bf16="avx512_bf16" in flags)
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_int8", "amx_bf16")
+    return dict(cpu=name, **{flag: flag in flags for flag in wanted})
 
 
 def environment(target, threads: int | None = None) -> dict:
@@ -45,8 +46,13 @@ def environment(target, threads: int | None = None) -> dict:
 
     from ..backends import Backend
 
+    llama_cpp = None
     if isinstance(target, Backend):
         backend, device = target.describe(), "cpu"
+        if target.name == "llama.cpp":
+            from ..backends.llamacpp import system_info
+
+            llama_cpp = system_info()
     else:
         backend, device = f"torch, {str(target.dtype).replace('torch.', '')}", str(target.device)
     return dict(
@@ -59,6 +65,7 @@ def environment(target, threads: int | None = None) -> dict:
         cores=os.cpu_count(),
         device=device,
         cuda=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        llama_cpp=llama_cpp,  # the build's own line of the CPU features its kernels use
     )
 
 

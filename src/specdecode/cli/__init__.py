@@ -8,7 +8,9 @@ import sys
 from ..backends import BackendError
 from ..models import DEFAULT_TARGET, ModelError
 from .commands import cmd_check, cmd_generate, cmd_models, cmd_serve
-from .common import _add_model_args, _add_prompt_args, _add_sampling_args, add_backend_arg, torch_threads
+from .common import (
+    _add_model_args, _add_prompt_args, _add_sampling_args, add_backend_arg, at_least, port_number, seconds, torch_threads,
+)
 from .measure import cmd_bench, cmd_tune
 
 __all__ = ["build_parser", "main", "torch_threads"]
@@ -70,12 +72,14 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched, load-aware speculative decoding")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-batch", type=int, default=8, help="rows decoded together at most")
-    s.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get HTTP 429")
-    s.add_argument("--default-max-tokens", type=int, default=256, help="chat requests without max_tokens")
-    s.add_argument("--max-body-bytes", type=int, default=None,
+    s.add_argument("--port", type=port_number, default=8000)
+    s.add_argument("--max-batch", type=at_least(1), default=8, help="rows decoded together at most")
+    s.add_argument("--max-queue", type=at_least(0), default=64, help="requests waiting at most; more get HTTP 429")
+    s.add_argument("--default-max-tokens", type=at_least(1), default=256, help="chat requests without max_tokens")
+    s.add_argument("--max-body-bytes", type=at_least(1), default=None,
                    help="larger request bodies get HTTP 413 before they are read (default 8 MiB)")
+    s.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                   help="at SIGTERM/SIGINT, seconds the open requests get to finish before they are cut (default 30)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the target spec)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve, **(config or {}))

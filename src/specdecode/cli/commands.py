@@ -88,8 +88,33 @@ def cmd_models(args) -> int:
             row["name"], row["description"], "yes" if row["installed"] else "no", "yes" if row["converted"] else "no",
             str(row["size_mb"]) if row["converted"] else "-", row["path"] if row["converted"] else "-",
         )
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    console.print(table)
+    _print_llama_kernels(console)
     return 0
+
+
+def _print_llama_kernels(console) -> None:
+    """What llama.cpp runs here: its build's CPU features, and per GGUF on disk the weight layouts it loads into."""
+    from ..backends import llamacpp
+    from ..backends.llamaguard import known_verdict
+    from ..models import assembled_gguf
+
+    if not llamacpp.available():
+        console.print("llama.cpp backend: not installed")
+        return
+    console.print(f"llama.cpp backend: {llamacpp.system_info()}")
+    for b in BUILTINS.values():
+        path = assembled_gguf(b)
+        if path is None:
+            continue
+        verdict = known_verdict(path)
+        if verdict is None:
+            console.print(f"  {b.name}: not vetted yet (the first llama.cpp load probes it in a child process)")
+        else:
+            buffers = f": {', '.join(verdict.buffers)}" if verdict.buffers else ""
+            state = "on" if verdict.extra_buffers else "off (plain CPU kernels)"
+            console.print(f"  {b.name}: extra buffer types {state} ({verdict.why}{buffers})")
 
 
 def cmd_check(args) -> int:
@@ -144,17 +169,16 @@ def cmd_check(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
+    from ..server import Service
+    from ..server.run import bind, serve
 
-    from ..server import Service, create_app
-
+    sock = bind(args.host, args.port)  # before the models load: a port in use fails in a second, not after minutes
     service = Service.from_specs(  # a server speculates load-aware unless told otherwise
         args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
         adaptive=True if args.adaptive is None else args.adaptive,
         model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens, compile_draft=_compile_draft(args, long_running=True), backend=args.backend,
     )
-    print(f"[specdecode] serving {service.model_name} on http://{args.host}:{args.port}/v1 — speculation: {service.speculation}, "
-          f"max batch {args.max_batch}, max queue {args.max_queue}", file=sys.stderr)
-    uvicorn.run(create_app(service, max_body_bytes=args.max_body_bytes), host=args.host, port=args.port, log_level=args.log_level)
+    serve(service, sock, args.host, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
+          shutdown_timeout=args.shutdown_timeout)
     return 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs, sample
+from ..sampling import SamplingParams, logits_to_probs
 
 
 @dataclass
@@ -43,13 +43,14 @@ class Draft:
         return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
 
 
-def draw(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft token from the draft's logits [B, V] and the distribution q it came from: the argmax (q = softmax,
-    for its confidence) when greedy, else a sample from the processed q (which must go with the draft: lossless rule)."""
+def draw(logits: torch.Tensor, sampling: SamplingParams, draws, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft token for `position` from the draft's logits [B, V] and the distribution q it came from: the argmax
+    (q = softmax, for its confidence) when greedy, else a sample from the processed q (which must go with the draft:
+    lossless rule) by the request's draws (sampling.StreamDraws / KeyedDraws)."""
     if sampling.greedy:
         return logits.argmax(-1), torch.softmax(logits, -1)
     q = logits_to_probs(logits, sampling)
-    return sample(q, generator), q
+    return draws.sample(q, position), q
 
 
 # After a fully accepted draft two tokens are new (the last drafted one and the target's); more means the drafter sat
@@ -91,10 +92,11 @@ class Drafter(ABC):
         input_ids: torch.Tensor,
         k: int,
         sampling: SamplingParams,
-        generator: torch.Generator | None,
+        draws,
         keep_going: Callable[[int, float], bool] | None = None,
     ) -> Draft:
-        """Up to k tokens that follow input_ids [B, L]; with probs when sampling from a distribution.
+        """Up to k tokens that follow input_ids [B, L]; with probs when sampling from a distribution. Draft token i
+        stands at position L + i: a sampled one is drawn by `draws.sample(q, L + i)` (see `draw`).
 
         A drafter that makes tokens one at a time asks keep_going(tokens_so_far, confidence_of_last)
         before each further token, so a controller can stop a draft that will likely be rejected.

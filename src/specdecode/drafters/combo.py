@@ -48,11 +48,11 @@ class ComboDrafter(Drafter):
             return draft
         return Draft.empty(1, input_ids.device)
 
-    def propose(self, input_ids, k, sampling, generator, keep_going=None) -> Draft:
+    def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
         draft = self.propose_free(input_ids, k)
         if draft.length:
             return draft
-        return self.model.propose(input_ids, k, sampling, generator, keep_going)
+        return self.model.propose(input_ids, k, sampling, draws, keep_going)
 
     def commit(self, input_ids) -> None:
         self.model.commit(input_ids)

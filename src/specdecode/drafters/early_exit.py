@@ -98,10 +98,10 @@ class SelfDrafter(ModelDrafter):
         if self.layers is not None:
             super().prefill(prompt_ids)
 
-    def propose(self, input_ids, k, sampling, generator, keep_going=None):
+    def propose(self, input_ids, k, sampling, draws, keep_going=None):
         if self.layers is None:
             return Draft.empty(input_ids.shape[0])
-        return super().propose(input_ids, k, sampling, generator, keep_going)
+        return super().propose(input_ids, k, sampling, draws, keep_going)
 
     def commit(self, input_ids) -> None:
         if self.layers is not None:

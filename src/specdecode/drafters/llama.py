@@ -60,7 +60,7 @@ class LlamaDrafter(Drafter):
                 self.backend.truncate(0, keep)
             self.cached_ids = self.cached_ids[:, :keep]
 
-    def propose(self, input_ids, k, sampling: SamplingParams, generator, keep_going=None) -> Draft:
+    def propose(self, input_ids, k, sampling: SamplingParams, draws, keep_going=None) -> Draft:
         input_ids = input_ids.cpu()
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
@@ -74,7 +74,7 @@ class LlamaDrafter(Drafter):
                 break
             if i:
                 logits = self._read(tokens[-1][:, None])
-            token, q = draw(logits, sampling, generator)
+            token, q = draw(logits, sampling, draws, input_ids.shape[1] + i)
             if not sampling.greedy:
                 probs.append(q)
             tokens.append(token)

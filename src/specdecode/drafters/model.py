@@ -144,7 +144,7 @@ class ModelDrafter(Drafter):
             self.head.set_context(prompt_ids)
         self._read(prompt_ids.to(self.model.device))
 
-    def propose(self, input_ids, k, sampling: SamplingParams, generator, keep_going=None) -> Draft:
+    def propose(self, input_ids, k, sampling: SamplingParams, draws, keep_going=None) -> Draft:
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
         pending, reading_s = catch_up(self._read, input_ids[:, self.cached_ids.shape[1] :].to(self.model.device))
@@ -152,7 +152,7 @@ class ModelDrafter(Drafter):
         for i in range(k):
             if i and keep_going is not None and not keep_going(i, confidence[-1]):
                 break
-            token, q = draw(self._next_logits(pending), sampling, generator)
+            token, q = draw(self._next_logits(pending), sampling, draws, input_ids.shape[1] + i)
             if not sampling.greedy:
                 probs.append(q)
             tokens.append(token)

@@ -17,7 +17,7 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.last_match_len = 0  # length of the suffix that matched in the last propose (0: none)
 
-    def propose(self, input_ids, k, sampling, generator, keep_going=None) -> Draft:
+    def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
         ids = input_ids[0]
         L = ids.shape[0]
         # Longest suffix first: a longer match predicts the continuation better.

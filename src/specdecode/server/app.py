@@ -173,7 +173,7 @@ def create_app(service: Service, max_body_bytes: int | None = None) -> FastAPI:
             prompt = prompt[0]
         if not prompt:
             raise ApiError(400, "prompt: the prompt is empty", "prompt")
-        handle, prompt_tokens = await _submit(service, body, prompt, body.max_tokens or 16)
+        handle, prompt_tokens = await _submit(service, body, prompt, body.max_tokens or 16, "max_tokens")
         return await _respond(request, service, handle, body, prompt_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -181,23 +181,37 @@ def create_app(service: Service, max_body_bytes: int | None = None) -> FastAPI:
         body.refuse_unsupported()
         if not body.messages:
             raise ApiError(400, "messages: give at least one message", "messages")
-        messages = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)]
-        handle, prompt_tokens = await _submit(service, body, messages, body.max_completion_tokens or body.max_tokens)
+        messages = [{"role": m.role, "content": m.text(f"messages[{i}]"), **({"name": m.name} if m.name is not None else {})}
+                    for i, m in enumerate(body.messages)]
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        handle, prompt_tokens = await _submit(service, body, messages, body.max_completion_tokens or body.max_tokens, field)
         return await _respond(request, service, handle, body, prompt_tokens, chat=True)
 
     return app
 
 
-async def _submit(service: Service, body: SamplingFields, prompt, max_tokens: int | None) -> tuple[Handle, int]:
+async def _submit(service: Service, body: SamplingFields, prompt, max_tokens: int | None,
+                  max_tokens_field: str) -> tuple[Handle, int]:
     if body.model and body.model != service.model_name:
         raise ApiError(400, f"model: unknown model {body.model!r}; this server serves {service.model_name!r}", "model")
+    where = "prompt" if isinstance(prompt, str) else "messages"
     try:
-        sampling = body.sampling()
         # Off the event loop (the tokenizer releases the GIL): /health and other requests go on meanwhile.
         input_ids = await asyncio.to_thread(service.encode, prompt)
+    except ValueError as error:
+        raise ApiError(400, str(error), where) from None
+    try:
+        sampling = body.sampling()
+        room = (service.context_window or 1 << 62) - input_ids.shape[1]
+        if room <= 0:
+            raise ApiError(400, f"{where}: the prompt ({input_ids.shape[1]} tokens) leaves no room in the model's "
+                           f"context window ({service.context_window} tokens)", where)
         if max_tokens is None:  # chat without a limit: the server default, within the context window
-            room = (service.context_window or 1 << 30) - input_ids.shape[1]
             max_tokens = max(1, min(service.default_max_tokens, room))
+        elif max_tokens > room:
+            raise ApiError(400, f"{max_tokens_field}: the prompt ({input_ids.shape[1]} tokens) + {max_tokens_field} "
+                           f"({max_tokens}) exceeds the model's context window ({service.context_window} tokens)",
+                           max_tokens_field)
         handle = service.submit(input_ids, max_tokens=max_tokens, sampling=sampling, stop=body.stop_strings(),
                                 logprobs=body.top_logprobs_wanted())
     except ValueError as error:
@@ -210,7 +224,7 @@ async def _submit(service: Service, body: SamplingFields, prompt, max_tokens: in
 
 
 async def _events(request: Request, service: Service, handle: Handle):
-    """The request's ("text", (piece, logprobs)) | ("done", reason) | ("error", message) items. The client is
+    """The request's ("text", (piece, logprobs)) | ("done", reason) | ("error", (status, message)) items. The client is
     checked every DISCONNECT_POLL_S even while text flows: if it went away, its row is cancelled."""
     finished = False
     loop = asyncio.get_running_loop()
@@ -259,7 +273,7 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
                 if kind == "text":
                     pieces.append(value[0])
                 elif kind == "error":
-                    return _error(500, value)
+                    return _error(*value)
                 else:
                     finish = value
         if finish is None:  # the client went away
@@ -284,8 +298,9 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
             async for kind, value in events:
                 if kind == "text":
                     yield sse({"choices": [choice(value[0], None, value[1], stream=True)]})
-                elif kind == "error":
-                    yield f"data: {json.dumps(error_body(500, value))}\n\n"
+                elif kind == "error":  # the stream still ends as every stream does
+                    yield f"data: {json.dumps(error_body(*value))}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
                 else:
                     yield sse({"choices": [choice(None if chat else "", value, None, stream=True)]})

@@ -36,7 +36,8 @@ INT64_MAX = 2**63 - 1  # ints past it overflow torch and numpy: refused by name
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON string is no number and no boolean ("temperature": "0" is refused by name, not coerced)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -143,7 +144,7 @@ class ChatMessage(Strict):
         if self.tool_calls or self.function_call is not None:
             raise ApiError(400, f"{where}.tool_calls: tool calls are not supported (this server has no tool calling)", where)
         if not isinstance(self.content, list):
-            return self.content or ""
+            return self.content or ""  # an empty or null content is an empty turn (OpenAI takes those)
         for i, part in enumerate(self.content):
             if isinstance(part, OtherPart):
                 raise ApiError(400, f"{where}.content[{i}]: {part.type} content is not supported (text only)", where)

@@ -8,6 +8,7 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
@@ -51,7 +52,7 @@ class Unavailable(Exception):
 @dataclass
 class Handle:
     """One request as the HTTP side sees it. Queue items: ("text", (piece, logprob entries of the tokens since the
-    last piece)), ("done", finish_reason), ("error", message)."""
+    last piece)), ("done", finish_reason), ("error", (HTTP status, message))."""
 
     seq: Sequence
     stream: TextStream
@@ -129,6 +130,7 @@ class Service:
         self._wake = threading.Event()
         self._loop: Future | None = None  # the scheduler loop, running on the scheduler thread
         self._stopping = False
+        self._drain_deadline: float | None = None  # set at shutdown: no new requests; open ones are cut then
 
     @classmethod
     def from_specs(cls, target: str, draft: str | None, *, dtype=None, threads: int | None = None,
@@ -148,7 +150,17 @@ class Service:
 
     @property
     def alive(self) -> bool:
-        return self._loop is not None and not self._loop.done() and not self._stopping
+        return self._loop is not None and not self._loop.done() and not self._stopping and self._drain_deadline is None
+
+    @property
+    def open_requests(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def drain(self, timeout: float) -> None:
+        """Shutting down: refuse new requests (503) and cut the open ones after `timeout` seconds."""
+        self._drain_deadline = time.monotonic() + timeout
+        self._wake.set()
 
     def start(self) -> None:
         if self._loop is None:
@@ -162,7 +174,7 @@ class Service:
             wait_for([self._loop], timeout=30)
             self._loop = None
         for seq in self.engine.abort():
-            self._fail(seq, "the server is shutting down")
+            self._fail(seq, "the server is shutting down", 503)
 
     # --- requests (called from the event loop) --------------------------------------------------
 
@@ -184,6 +196,8 @@ class Service:
     def submit(self, input_ids: torch.Tensor, *, max_tokens: int, sampling: SamplingParams, stop: tuple[str, ...] = (),
                logprobs: int | None = None) -> Handle:
         """Queue a request. ValueError: bad request; QueueFull / Unavailable: come back later."""
+        if self._drain_deadline is not None:
+            raise Unavailable("the server is shutting down")
         if not self.alive:
             raise Unavailable("the server is not running (starting up, shutting down, or its scheduler failed)")
         if self.engine.waiting >= self.max_queue:
@@ -209,6 +223,10 @@ class Service:
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self.engine.has_work:
+                for seq in self.engine.abort():
+                    self._fail(seq, "the server is shutting down: the request was cut at the shutdown deadline", 503)
+                continue
             if not self.engine.has_work:
                 self._wake.wait(0.5)
                 continue
@@ -217,7 +235,7 @@ class Service:
             except Exception as error:  # a failed pass fails its rows; the server keeps serving
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 for seq in self.engine.abort():
-                    self._fail(seq, f"generation failed: {type(error).__name__}: {error}")
+                    self._fail(seq, f"generation failed: {type(error).__name__}: {error}", 500)
                 continue
             for seq, _ in report.events:
                 self._deliver(seq)
@@ -233,7 +251,7 @@ class Service:
             if seq.finished:
                 del self._handles[seq]
         if seq.result.finish_reason == "error":
-            handle.put("error", f"generation failed: {seq.result.error or 'unknown error'}")
+            handle.put("error", (500, f"generation failed: {seq.result.error or 'unknown error'}"))
             return
         piece = handle.stream.piece()
         logprobs = seq.result.logprobs or []
@@ -243,8 +261,8 @@ class Service:
         if seq.finished:
             handle.put("done", seq.result.finish_reason)
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str, status: int) -> None:
         with self._lock:
             handle = self._handles.pop(seq, None)
         if handle is not None:
-            handle.put("error", message)
+            handle.put("error", (status, message))
