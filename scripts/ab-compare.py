@@ -75,8 +75,8 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args()
     extra = [e for e in extra if e != "--"]
-    options = dict(target="qwen2.5-coder-1.5b", draft="auto", **parse_options(extra), per_task=args.per_task,
-                   max_new_tokens=args.max_new_tokens)
+    options = {"target": "qwen2.5-coder-1.5b", "draft": "auto", **parse_options(extra), "per_task": args.per_task,
+               "max_new_tokens": args.max_new_tokens}
     a, n = start(args.a, dict(options))
     b, _ = start(args.b, dict(options))
     rows = []
