@@ -44,7 +44,7 @@ def steered(pair):
     if "prompt" in body:
         body["prompt"] = (body["prompt"] if isinstance(body["prompt"], str) else "") + " w5 w6"
     for message in body.get("messages", []):
-        for field in ("tool_calls", "tool_call_id", "function_call"):
+        for field in ("tool_calls", "tool_call_id", "function_call", "name"):  # the tiny template writes no name
             message.pop(field, None)
         message["role"] = "user" if message["role"] == "tool" else message["role"]
         parts = message.get("content") if isinstance(message.get("content"), list) else []

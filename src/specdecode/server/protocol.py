@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from ..sampling import SamplingParams
 
@@ -35,34 +35,45 @@ StopString = Annotated[Text, Field(min_length=1)]
 INT64_MAX = 2**63 - 1  # ints past it overflow torch and numpy: refused by name
 
 
+def _a_number(value):
+    if isinstance(value, (str, bool)):
+        raise ValueError(f"must be a JSON number, not {'a boolean' if isinstance(value, bool) else 'a string'}")
+    return value
+
+
+# A JSON string or boolean is no number ("temperature": "0" is refused by name, not coerced); 7.0 is the integer 7,
+# as JSON Schema (and the published OpenAPI schema) has it.
+Int = Annotated[int, BeforeValidator(_a_number)]
+Float = Annotated[float, BeforeValidator(_a_number)]
+
+
 class Strict(BaseModel):
-    # strict: a JSON string is no number and no boolean ("temperature": "0" is refused by name, not coerced)
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(Strict):
     model: Text | None = None
-    max_tokens: int | None = Field(None, gt=0, le=INT64_MAX)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=INT64_MAX)  # not OpenAI; as in vLLM (0: off)
-    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
+    max_tokens: Int | None = Field(None, gt=0, le=INT64_MAX)
+    temperature: Float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: Float | None = Field(None, gt=0, le=1)
+    top_k: Int | None = Field(None, ge=0, le=INT64_MAX)  # not OpenAI; as in vLLM (0: off)
+    seed: Int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stop: StopString | list[StopString] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, le=INT64_MAX)
+    n: Int = Field(1, le=INT64_MAX)
     # accepted: they change nothing in what is generated
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
     # refused unless neutral (see `refuse_unsupported`)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
     logit_bias: dict[str, float] | None = None
 
     # field -> (the neutral values clients send for a feature they do not use, why any other value is refused)
@@ -97,9 +108,9 @@ class SamplingFields(Strict):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Text]
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool | None = None
-    best_of: int | None = Field(None, le=INT64_MAX)
+    logprobs: Int | None = Field(None, ge=0, le=20)
+    echo: StrictBool | None = None
+    best_of: Int | None = Field(None, le=INT64_MAX)
     suffix: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
@@ -153,14 +164,14 @@ class ChatMessage(Strict):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(None, gt=0, le=INT64_MAX)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: Int | None = Field(None, gt=0, le=INT64_MAX)
+    logprobs: StrictBool | None = None
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
 
     NO_TOOLS: ClassVar[str] = "this server has no tool calling"
