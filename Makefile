@@ -5,14 +5,17 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 THREADS ?= $(shell nproc)
 
-.PHONY: setup demo test test-slow fuzz bench bench-llama bench-serve clean
+.PHONY: setup demo test test-slow fuzz bench bench-llama bench-edits bench-serve clean
 
-# llama-cpp-python first, compiled from its sdist with patches/llama-cpp/ applied (the pin in pyproject is then met).
-$(STAMP): pyproject.toml scripts/build-llama-cpp-python.sh scripts/llama-cpp-source.sh $(wildcard patches/llama-cpp/*.patch)
+# llama-cpp-python first, compiled from its sdist with patches/llama-cpp/ applied, and arctic-inference built against
+# the CPU torch (the pins in pyproject are then met).
+$(STAMP): pyproject.toml scripts/build-llama-cpp-python.sh scripts/llama-cpp-source.sh scripts/build-arctic-inference.sh \
+		$(wildcard patches/llama-cpp/*.patch)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	PYTHON=$(BIN)/python scripts/build-llama-cpp-python.sh
-	$(BIN)/python -m pip install -q -e '.[test,llama]'
+	PYTHON=$(BIN)/python scripts/build-arctic-inference.sh
+	$(BIN)/python -m pip install -q -e '.[test,llama,suffix]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -54,6 +57,14 @@ bench-llama: setup
 	$(BIN)/specdecode models pull --backend llama.cpp qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(BIN)/specdecode bench --backend llama.cpp --threads $(THREADS) --per-task 2 --max-new-tokens 128 \
 		--methods $(LLAMA_METHODS) --out docs/bench/llama-q4km
+
+## Code edits (the shipped `edits` set: the answer copies most of the input) on the llama.cpp Qwen pair against
+## llama.cpp's own plain decoding: where lookup drafts (suffix trees, n-grams) pay most. About 10 minutes on 2 cores.
+EDIT_METHODS ?= plain,llama-cpp,spec:auto,spec:suffix,spec:ngram
+bench-edits: setup
+	$(BIN)/specdecode models pull --backend llama.cpp qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(BIN)/specdecode bench --backend llama.cpp --threads $(THREADS) --prompts edits --max-new-tokens 192 \
+		--methods $(EDIT_METHODS) --out docs/bench/llama-edits
 
 ## The server load benchmark on the Qwen pair (bf16): speculation off / always / load-aware at concurrency 1, 4, 8.
 bench-serve: setup

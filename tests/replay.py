@@ -6,6 +6,7 @@ cost, with noise and the odd hiccup. No model runs: a test of decisions, not of 
 from __future__ import annotations
 
 import json
+import re
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ class Machine:
     name: str
     verify_ms: dict[int, float]  # one target pass by its width
     draft_ms: float  # one draft token
+    draft_read_ms: float  # the draft model reading one prompt token (in a long pass)
+    leaves: int  # tree leaves a draft offers per token: as `auto` drafts on torch; llama.cpp verifies chains
 
     def verify_s(self, width: int) -> float:
         """Linear between measured widths, and past the widest along its last segment."""
@@ -55,9 +58,75 @@ def machines() -> list[Machine]:
                 continue
             target = {int(w): ms for w, ms in models[TARGETS[0]].items()}
             for name, curve in models.items():
-                if name != TARGETS[0]:
-                    out.append(Machine(f"{cpu}/{backend}/draft {name.split(' ')[0]}", target, curve["1"]))
+                if name != TARGETS[0] and name.startswith("qwen"):  # a draft sharing the target's vocabulary
+                    label = re.sub(r" \(.*\)", "", backend)
+                    out.append(Machine(f"{cpu}/{label}/draft {name.split(' ')[0]}", target, curve["1"],
+                                       _read_ms({int(w): ms for w, ms in curve.items()}, target),
+                                       0 if backend.startswith("llama.cpp") else LEAVES))
     return out
+
+
+def _read_ms(draft: dict[int, float], target: dict[int, float]) -> float:
+    """A prompt token read by the draft: its one-token pass scaled as the target's widest pass per token is to its
+    one-token pass, or its own widest pass per token if that is cheaper."""
+    scaled = draft[1] * target[max(target)] / max(target) / target[1]
+    return min(scaled, draft[max(draft)] / max(draft))
+
+
+def seed_as_at_load(ctl: AdaptiveK, machine: Machine) -> None:
+    """What `control.calibrate` measures at load, from the profile: passes by width (as far as it times them), a
+    4-token draft and a 32-token reading."""
+    plain = machine.verify_s(1)
+    for width in (1, 2, 4, 8, 16, 32):
+        if any(machine.verify_s(w) > 0.75 * w * plain for w in (2, 4, 8, 16) if w < width):
+            break
+        ctl.observe_pass(width, 1, machine.verify_s(width))
+    ctl.rows_changed()
+    ctl.observe_reading(32, 32 * machine.draft_read_ms / 1000)
+    ctl.costs.observe_draft("model", 4, 4 * machine.draft_ms / 1000)
+
+
+def replay_request(machine: Machine, accept_by_position: list[float], *, prompt: int, answer: int, max_new_tokens: int,
+                   seed: int = 0) -> dict:
+    """One request from a fresh drafter that has not read its prompt, on a controller seeded as at load: it ends after
+    `answer` tokens (an end of text the controller cannot foresee), under a budget of `max_new_tokens`. The clock
+    charges the draft's prompt reading (and its catch-up after plain steps) where the controller chose to draft."""
+    rng = random.Random(seed)
+    ctl = AdaptiveK(max_k=8)
+    seed_as_at_load(ctl, machine)
+    clock, read_upto, done, drafting_steps = 0.0, None, 0, 0
+    while done < answer:
+        budget = max_new_tokens - done - 1
+        unread = prompt + done if read_upto is None else prompt + done - read_upto
+        plan = ctl.plan(min(budget, 8), ready=read_upto is not None, unread=unread, leaves=0, remaining=budget,
+                        generated=done)
+        drafted = accepted = 0
+        confidences = []
+        if plan.length:
+            reading = unread * machine.draft_read_ms / 1000
+            clock += reading
+            if read_upto is None:
+                ctl.observe_reading(unread, reading)
+            read_upto = prompt + done
+            for i in range(plan.length):
+                if i and not plan.keep_going(i, confidences[-1]):
+                    break
+                p = accept_by_position[min(i, len(accept_by_position) - 1)]
+                confidences.append(min(max(rng.betavariate(4 * p + 0.1, 4 * (1 - p) + 0.1), 0.0), 1.0))
+            for c in confidences:
+                if rng.random() >= c:
+                    break
+                accepted += 1
+            drafted = len(confidences)
+        draft_s = drafted * machine.draft_ms / 1000
+        verify_s = machine.verify_s(1 + drafted)
+        observe_step(ctl, "model", confidences or None, drafted, accepted, draft_s, verify_s)
+        clock += draft_s + verify_s
+        done += accepted + 1
+        drafting_steps += drafted > 0
+        if read_upto is not None and drafted:
+            read_upto += accepted + 1
+    return {"speedup": answer * machine.verify_s(1) / clock, "drafting_steps": drafting_steps}
 
 
 def traces() -> list[tuple[str, list[float]]]:
@@ -69,6 +138,8 @@ def replay(machine: Machine, accept_by_position: list[float], *, requests: int =
     """Simulated tokens/s of speculation over plain decoding, and how many steps drafted."""
     rng = random.Random(seed)
     ctl = controller or AdaptiveK(max_k=8)
+    if controller is None:
+        seed_as_at_load(ctl, machine)
     hit = TRACES["leaf_hit_at_rejection"]
     clock = plain_clock = 0.0
     drafting_steps = steps = 0
@@ -82,7 +153,7 @@ def replay(machine: Machine, accept_by_position: list[float], *, requests: int =
         done = 0
         while done < tokens:
             budget = tokens - done - 1
-            plan = ctl.plan(min(budget, 8), leaves=LEAVES, remaining=budget)
+            plan = ctl.plan(min(budget, 8), leaves=machine.leaves, remaining=budget)
             confidences = []
             for i in range(plan.length):
                 if i and not plan.keep_going(i, confidences[-1]):
@@ -95,7 +166,7 @@ def replay(machine: Machine, accept_by_position: list[float], *, requests: int =
                     break
                 accepted += 1
             drafted = len(confidences)
-            leaves = LEAVES if plan.leaves else 0  # the engine verifies leaves only when the plan says so
+            leaves = machine.leaves if plan.leaves else 0  # the engine verifies leaves only when the plan says so
             width = 1 + drafted * (1 + leaves)
             leaf_used = (accepted < drafted and rng.random() < hit) if drafted and leaves else None
             draft_s = noisy(drafted * machine.draft_ms / 1000)

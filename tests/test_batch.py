@@ -7,6 +7,7 @@ from specdecode.backends.torchmodel import TorchBackend
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams
 from specdecode.batch import BatchEngine
 from specdecode.control import AdaptiveK, BatchPolicy
+from specdecode.control.calibrate import WIDTHS
 from specdecode.drafters import ComboDrafter
 from specdecode.stopping import StopCondition
 from stats_check import fit
@@ -245,9 +246,9 @@ def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft):
     scratch row and the drafter's state are gone before the first request."""
     engine = BatchEngine(target, ModelDrafter(near_draft), k=4, adaptive=True, max_batch=4)
     costs = engine.controller.costs
-    assert all(costs.measured(width) for width in (1, 2, 4, 8)) and engine.controller.pass_line.slope is not None
+    assert all(costs.measured(width) for width in WIDTHS) and engine.controller.pass_line.slope is not None
     assert costs.draft_time() > 0 and costs.draft_prefill_token_s.value > 0
-    assert set(engine.calibration["verify_s"]) == {1, 2, 4, 8} and engine.calibration["draft_token_s"] > 0
+    assert set(engine.calibration["verify_s"]) == set(WIDTHS) and engine.calibration["draft_token_s"] > 0  # flat: all
     assert engine.backend.rows == 0
     prompt = random_prompt(3, 7)
     (seq,) = engine.generate_all([dict(input_ids=prompt, max_new_tokens=12)])

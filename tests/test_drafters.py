@@ -253,15 +253,16 @@ def test_adaptive_falls_back_to_plain_and_probes_again():
     assert ctl.skipped_steps >= 8
 
 
-def test_a_hopeless_draft_does_not_make_a_fresh_drafter_read_for_a_probe():
+def test_a_hopeless_draft_never_makes_a_fresh_drafter_read_or_probe():
     """A draft token dearer than two plain passes loses even if every token were accepted: a drafter that has not
-    read its prompt is not made to read it for a probe before the longest interval (the costs said it all)."""
+    read its prompt never reads it, not even for a probe (the costs said it all), and the controller says why."""
     ctl = AdaptiveK(max_k=6, probe_every=4)
     for width, seconds in ((1, 0.2), (2, 0.3), (4, 0.5), (8, 0.9)):
         ctl.observe_pass(width, 1, seconds)
     ctl.costs.observe_draft("model", 4, 2.0)
-    plans = [ctl.plan(6, ready=False, unread=20, remaining=100).length for _ in range(ctl.MAX_PROBE_INTERVAL + 6)]
-    assert sum(plans) == 1 and plans.index(1) > ctl.MAX_PROBE_INTERVAL
+    ctl.observe_reading(20, 0.2)
+    plans = [ctl.plan(6, ready=False, unread=20, remaining=1000, generated=500).length for _ in range(300)]
+    assert sum(plans) == 0 and "model drafts off" in ctl.model_off
     ready = AdaptiveK(max_k=6, probe_every=4)  # a drafter in step with the text probes at once: it costs one token
     ready.costs, ready.pass_line = ctl.costs, ctl.pass_line
     assert [ready.plan(6, remaining=100).length for _ in range(5)] == [0, 0, 0, 0, 1]
@@ -362,7 +363,7 @@ def test_trim_measures_a_wider_pass_once_instead_of_trusting_the_guess():
         ctl = AdaptiveK(max_k=8)
         for width, seconds in costs.items():
             ctl.observe_pass(width, 1, seconds)
-        ctl.position_accept["ngram"] = [Ema(0.2, 0.85) for _ in range(8)]  # lookups right 85 % of the time
+        ctl.position_accept[("ngram", 0)] = [Ema(0.2, 0.85) for _ in range(8)]  # lookups right 85 % of the time
         return ctl
 
     long_draft = lambda: Draft(torch.arange(16)[None], source="ngram")  # noqa: E731
@@ -446,7 +447,7 @@ def test_self_drafter_calibrates_on_the_first_prompt():
 def test_long_ngram_drafts_respect_the_budget(target, max_new_tokens):
     """auto lets n-gram drafts run past k; never past max_new_tokens."""
     prompt = random_prompt(6, 5)
-    drafter = ComboDrafter(fast_drafter(), min_match=1, ngram_stretch=4)
+    drafter = ComboDrafter(fast_drafter(), min_match=1, lookup_stretch=4)
     result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=max_new_tokens).result()
     assert result.token_ids == reference_greedy(target, prompt, max_new_tokens)
     assert result.stats.drafted_tokens <= result.stats.steps * (max_new_tokens - 1)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specdecode import ModelDrafter, NgramDrafter, SpeculativeEngine
+from specdecode import ModelDrafter, NgramDrafter, SpeculativeEngine, SuffixDrafter
 from specdecode.stopping import StopCondition
 from tiny import keep_one_stale_entry, random_prompt, reference_greedy
 
@@ -24,17 +24,24 @@ def drafters(target, weak_draft, near_draft):
         "near": ModelDrafter(near_draft),
         "self": ModelDrafter(target),
         "ngram": NgramDrafter(),
+        "suffix": SuffixDrafter(),  # its trees verified as chain + leaves (tree.py; leaves used: test_tree.py)
     }
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram"])
+@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram", "suffix"])
 def test_greedy_output_equals_target_greedy(target, weak_draft, near_draft, references, which, k):
     engine = SpeculativeEngine(target, drafters(target, weak_draft, near_draft)[which], k=k)
+    results = []
     for seed, n in PROMPTS:
-        result = engine.generate(random_prompt(seed, n), max_new_tokens=NEW_TOKENS).result()
+        results.append(result := engine.generate(random_prompt(seed, n), max_new_tokens=NEW_TOKENS).result())
         assert result.token_ids == references[seed], f"prompt {seed}, drafter {which}, k={k}"
         assert result.finish_reason == "length"
+    drafted = sum(r.stats.drafted_tokens for r in results)
+    assert drafted > 0
+    if which in ("ngram", "suffix") and k > 1:  # lookups: drafts of 2+ tokens, some rejected (rollback exercised)
+        assert sum(r.stats.drafted_per_position[1] for r in results if len(r.stats.drafted_per_position) > 1) > 0
+        assert sum(r.stats.accepted_tokens for r in results) < drafted
 
 
 def test_plain_decoding_equals_uncached_reference(target, references):

@@ -4,7 +4,7 @@ drafter, rows batched as sequence ids equal each row alone, sampling stays lossl
 import pytest
 import torch
 
-from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine
+from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.backends import BackendError, choose_backend
 from specdecode.backends.llamacpp import LlamaCppBackend, LlamaModel
 from specdecode.batch import BatchEngine
@@ -55,11 +55,12 @@ def drafters(smol_gguf):
         "near": ModelDrafter(torch_smol),  # the same weights dequantized, other numerics: mostly accepted
         "self": LlamaDrafter(LlamaCppBackend(smol_gguf, threads=2), name="smollm2-135m"),  # a second llama.cpp context
         "ngram": NgramDrafter(),
+        "suffix": SuffixDrafter(),  # llama.cpp scores no trees: its best chain
     }
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram"])
+@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram", "suffix"])
 def test_greedy_output_is_llama_cpps_own(backend, prompts, references, drafters, which, k):
     engine = SpeculativeEngine(backend, drafters[which], k=k)
     results = [engine.generate(p, max_new_tokens=NEW_TOKENS).result() for p in prompts]
@@ -69,6 +70,7 @@ def test_greedy_output_is_llama_cpps_own(backend, prompts, references, drafters,
     assert drafted > 0
     if which in ("weak", "near") and k > 1:
         assert sum(r.stats.accepted_tokens for r in results) < drafted  # rejections happened: rollback was exercised
+    if which in ("weak", "near", "suffix") and k > 1:
         assert sum(r.stats.drafted_per_position[1] for r in results) > 0  # drafts of 2+ tokens
 
 
@@ -136,15 +138,21 @@ class SharperDraft(LlamaDrafter):
 
 
 @pytest.mark.parametrize("lossless", [True, False], ids=["speculative-rule", "wrong-rule"])
-def test_sampling_follows_llama_cpps_distribution(backend, smol_gguf, prompts, monkeypatch, lossless):
+@pytest.mark.parametrize("which", ["model", "suffix"])
+def test_sampling_follows_llama_cpps_distribution(backend, smol_gguf, prompts, monkeypatch, lossless, which):
     import specdecode.sampling as sampling_module
     from test_sampling import wrong_rule_resample_from_p
 
     if not lossless:
         monkeypatch.setattr(sampling_module, "speculative_accept", wrong_rule_resample_from_p)
     params = SamplingParams(temperature=1.5, top_k=TOP_K)
-    prompt = prompts[1][:, :5]  # short: each sample pays two prefills
-    engine = SpeculativeEngine(backend, SharperDraft(LlamaCppBackend(smol_gguf, threads=2)), k=2)
+    if which == "model":
+        prompt = prompts[1][:, :5]  # short: each sample pays two prefills
+        drafter = SharperDraft(LlamaCppBackend(smol_gguf, threads=2))
+    else:  # a phrase said twice, begun a third time: the suffix trees propose the rest of it
+        prompt = prompts[1][:, :4].repeat(1, 3)[:, :-2]
+        drafter = SuffixDrafter()
+    engine = SpeculativeEngine(backend, drafter, k=2)
     generated, drafted_second = [], 0
     for seed in range(SAMPLES):
         torch.manual_seed(seed)  # unseeded: the min(1, p/q) rule

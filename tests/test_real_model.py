@@ -7,7 +7,7 @@ import pytest
 from specdecode import SpecDecoder
 from specdecode.cli import main
 from specdecode.drafters import ModelDrafter, NgramDrafter
-from specdecode.prompts import default_prompt_file
+from specdecode.prompts import shipped_prompt_file
 
 PROMPTS = [
     "What is the capital of France?",
@@ -65,7 +65,7 @@ def test_cli_models_lists_builtins(capsys):
     assert "qwen2.5-coder-1.5b" in out and "smollm2-135m" in out
 
 
-DEV_PROMPTS = default_prompt_file()  # shipped in the package: a clone has no ../shared
+DEV_PROMPTS = shipped_prompt_file()  # shipped in the package: a clone has no ../shared
 
 
 @pytest.mark.slow

@@ -238,3 +238,24 @@ def test_every_bit_of_a_64_bit_seed_counts():
     assert not torch.equal(KeyedDraws(7).noise(3, 64), KeyedDraws(7).noise(4, 64))
     with pytest.raises(ValueError, match="64-bit"):
         KeyedDraws(2**64)
+
+
+# ----------------------------------------------------------------------------- drafts that cost no model pass
+
+
+@pytest.mark.parametrize("lossless", [True, False], ids=["speculative-rule", "wrong-rule"])
+def test_suffix_drafts_keep_the_target_distribution(small_vocab_pair, monkeypatch, lossless):
+    """Suffix-tree drafts (deterministic: q one-hot) from the prompt and earlier samples' answers, 2 tokens and more,
+    with their tree leaves; a rule that resamples from p instead of the residual must show."""
+    from specdecode import SuffixDrafter
+
+    if not lossless:
+        monkeypatch.setattr(sampling_module, "speculative_accept", wrong_rule_resample_from_p)
+    target, _ = small_vocab_pair
+    # A pattern the trees propose to go on with and the target mostly does not: rejections, where a wrong rule shows
+    # (of 12 such prompts this one shows it clearest, p ~ 1e-6 at 1500 samples)
+    prompt = random_prompt(3, 2, vocab=VOCAB).repeat(1, 3)
+    params = SETTINGS[0]
+    generated, stats = sample_generations(SpeculativeEngine(target, SuffixDrafter(), k=K), prompt, params, SAMPLES)
+    assert_drafts_reached_the_second_position(stats)
+    assert_lossless(check_results(generated, target, prompt, params), lossless=lossless)

@@ -22,7 +22,7 @@ def server(target, near_draft, tokenizer):
     # Tiny models: a draft step costs a target pass, so the on/off gate would keep a lone request's drafting off;
     # these tests are about serving speculation (batches still decide by the load-aware rule).
     service.engine.controller.min_gain = 0.0
-    service.engine.controller.READ_SHARE = float("inf")  # nor let a tiny draft's reading cost, on a noisy clock, stop it
+    service.engine.controller.READ_PAYBACK = 0.0  # nor let a tiny draft's reading cost, on a noisy clock, stop it
     with RunningServer(service) as running:
         yield running
 

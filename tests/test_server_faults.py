@@ -26,7 +26,7 @@ from tiny import random_prompt, reference_greedy, tiny_model, tiny_tokenizer
 def server(target, near_draft, tokenizer):
     service = Service(target, tokenizer, ModelDrafter(near_draft), model_name=MODEL, k=4, adaptive=True, max_batch=4)
     service.engine.controller.min_gain = 0.0  # tiny models: keep drafting on, so seeds are tried with drafts
-    service.engine.controller.READ_SHARE = float("inf")
+    service.engine.controller.READ_PAYBACK = 0.0
     with RunningServer(service) as running:
         yield running
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdecode import ModelDrafter, SpeculativeEngine
+from specdecode import ModelDrafter, SpeculativeEngine, SuffixDrafter
 from specdecode.backends.torchmodel import TorchBackend
 from specdecode.sampling import SamplingParams
 from specdecode.control import AdaptiveK
@@ -65,7 +65,7 @@ def test_adaptive_engine_with_leaves_keeps_greedy_output(target, near_draft, ref
     # A tiny draft costs what a tiny target pass does: the on/off gate would rightly keep drafting off, and whether
     # leaves pay is decided from noisy sub-millisecond timings (the replay tests cover both decisions). Here: the
     # output, with the controller's draft lengths and its leaves on.
-    engine.controller.min_gain = 0.0
+    engine.controller.min_gain, engine.controller.READ_PAYBACK = 0.0, 0.0
     monkeypatch.setattr(AdaptiveK, "_leaves_pay", lambda self, offered: bool(offered))
     results, used = generate_all(engine)
     assert [r.token_ids for r in results] == [references[s] for s, _ in PROMPTS]
@@ -107,6 +107,33 @@ def test_batched_engine_uses_leaves_for_a_row_alone(target, near_draft, referenc
         [dict(input_ids=random_prompt(s, n), max_new_tokens=b) for (s, n), b in zip(PROMPTS[:4], budgets)]
     )
     assert [seq.result.token_ids for seq in together] == [references[s][:b] for (s, _), b in zip(PROMPTS[:4], budgets)]
+
+
+def remembered_answers(drafter: SuffixDrafter, answers: list[list[int]]) -> None:
+    """Put answers into the drafter's shared cache as earlier requests' responses."""
+    for i, answer in enumerate(answers):
+        drafter.cache.start_request(f"earlier-{i}", [0])
+        drafter.cache.add_active_response(f"earlier-{i}", answer)
+        drafter.cache.stop_request(f"earlier-{i}")
+
+
+@pytest.mark.parametrize("branch_at", [3, 9])
+def test_suffix_tree_branches_are_verified_as_leaves(target, references, branch_at):
+    """Earlier answers: two that agree with the target's but for one token (and then part ways), and the target's own.
+    At that token the suffix tree branches, the chain follows the more frequent wrong branch and the right token is a
+    leaf, which the target's correction then uses. Output stays the target's."""
+    seed, n = PROMPTS[9]  # its answer does not repeat itself early: the branch is the only one
+    reference = references[seed]
+    vocab = target.config.vocab_size
+    wrong = [list(reference), list(reference)]
+    for i, answer in enumerate(wrong):
+        answer[branch_at] = (reference[branch_at] + 1) % vocab
+        answer[branch_at + 1] = (reference[branch_at + 1] + 2 + i) % vocab
+    drafter = SuffixDrafter(alternatives=2)
+    remembered_answers(drafter, [*wrong, reference])
+    result = SpeculativeEngine(target, drafter, k=8).generate(random_prompt(seed, n), max_new_tokens=NEW_TOKENS).result()
+    assert result.token_ids == reference
+    assert result.stats.leaf_tokens > 0 and result.stats.drafted_tokens > result.stats.accepted_tokens
 
 
 # Every token but the drafted one as a leaf (none left out as unlikely): each rejection then goes through a leaf.

@@ -1,7 +1,7 @@
 """specdecode: speculative decoding for causal language models — the target's answers, fewer target passes."""
 
 from .api import GenerateOutput, generate
-from .drafters import ComboDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from .drafters import ComboDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, SuffixDrafter
 from .engine import GenerationResult, SpeculativeEngine
 from .models import BUILTINS, ModelError, load_model
 from .pipeline import Completion, SpecDecoder
@@ -24,6 +24,7 @@ __all__ = [
     "SamplingParams",
     "SpecDecoder",
     "SpeculativeEngine",
+    "SuffixDrafter",
     "generate",
     "load_model",
 ]

@@ -241,6 +241,7 @@ class BatchEngine:
                 controller.observe_row(
                     draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s,
                     leaf_used=(seq.leaf is not None) if tree.leaves else None, positions=tree.width,
+                    match_len=draft.match_len,
                 )
             report.drafted += draft.length
             report.accepted += n_acc
@@ -316,7 +317,7 @@ class BatchEngine:
         """A request whose prompt is read joins the rows: its first token, its drafter."""
         if seq.speculate:
             seq.drafter = self._take_drafter()
-        seq.start(logits, prefill_drafter=False)
+        seq.start(logits)
         report.admitted += 1
         self.rows.append(seq)
         if self.controller is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter
+from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, SuffixDrafter, suffix_available
 from .drafters.quant import fastest_weight_format
 from .encoding import encode_prompt, eos_token_ids
 from .engine import Generation, SpeculativeEngine
@@ -24,7 +24,7 @@ DEFAULT_K = 5  # fixed draft length
 DEFAULT_MAX_K = 8  # the most an adaptive controller may draft
 # Copied text runs long and lookup drafts cost nothing to make: auto lets them run to twice the model's cap
 # (the controller trims them by measured acceptance and verify cost).
-AUTO_NGRAM_STRETCH = 2
+AUTO_LOOKUP_STRETCH = 2
 DRAFT_HEAD_TOKENS = 32768  # the restricted draft head: ~5x cheaper than Qwen's 151,936-token head
 # Runner-up tokens `auto` offers per drafted position (tree leaves, tree.py): with the Qwen pair the target's
 # correction is the draft's 2nd choice at ~42 % of rejections and its 3rd at ~8 % more.
@@ -47,17 +47,33 @@ def _shares_vocab(spec: str, model_spec: str, vocab_size: int) -> bool:
     if known is None or known == vocab_size:
         return True
     if spec == "auto":
-        print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with n-gram lookup "
+        print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with lookups "
               "only (name a draft model with auto:MODEL)", file=sys.stderr)
         return False
     raise ValueError(f"draft model {model_spec!r} has a vocabulary of {known} tokens but the target has "
                      f"{vocab_size}: draft and target must share one tokenizer")
 
 
+def lookup_drafter(spec: str) -> Drafter | None:
+    """'ngram' (prompt lookup), 'suffix' (suffix trees over the prompt, the output and earlier answers), 'lookup'
+    (auto's: suffix where arctic-inference is installed, else n-gram); None for any other spec."""
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec == "suffix":
+        return SuffixDrafter()
+    if spec == "lookup":
+        return SuffixDrafter() if suffix_available() else NgramDrafter()
+    return None
+
+
+def auto_drafter(model: Drafter) -> ComboDrafter:
+    return ComboDrafter(model, lookup_drafter("lookup"), lookup_stretch=AUTO_LOOKUP_STRETCH)
+
+
 def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, compile_draft: bool = False) -> Drafter | None:
     """A drafter from a spec:
     - None / 'none': no drafter (plain decoding);
-    - 'ngram': prompt lookup in the prompt and the text so far;
+    - 'ngram', 'suffix', 'lookup': drafts that cost no model pass (see `lookup_drafter`);
     - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
     - 'MODEL[+int8|+int4][+head][+compile][+altN]': a draft model, optionally with packed weights, a restricted
       head, a compiled one-token step and N runner-up tokens per position verified as tree leaves;
@@ -67,8 +83,8 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     """
     if spec in (None, "", "none"):
         return None
-    if spec == "ngram":
-        return NgramDrafter()
+    if (lookup := lookup_drafter(spec)) is not None:
+        return lookup
     if spec == "self" or spec.startswith("self:"):
         if target is None:
             raise ValueError("the 'self' drafter needs the target model")
@@ -95,7 +111,7 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
     if len(quant) > 1:
         raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
     if target is not None and not _shares_vocab(spec, model_spec, target.config.vocab_size):
-        return NgramDrafter()
+        return lookup_drafter("lookup")
     model, draft_tokenizer = load_model(model_spec, dtype=dtype)
     if measure_format:  # the weight format whose one-row step is fastest on this machine
         quant = {fastest_weight_format(model)} - {None}
@@ -108,7 +124,7 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
         compile="compile" in options,
         alternatives=int(alternatives[0][3:]) if alternatives else 0,
     )
-    return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if auto else drafter
+    return auto_drafter(drafter) if auto else drafter
 
 
 def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> Drafter | None:
@@ -119,8 +135,8 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
 
     if spec in (None, "", "none"):
         return None
-    if spec == "ngram":
-        return NgramDrafter()
+    if (lookup := lookup_drafter(spec)) is not None:
+        return lookup
     if spec == "self" or spec.startswith("self:"):
         raise ValueError("self-speculation (the target's first layers) runs on the torch backend only: use --backend torch")
     model_spec = model_spec_of(spec)
@@ -128,12 +144,12 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
         raise ValueError(f"draft options in {spec!r} (+int8, +int4, +head, +compile, +altN) are the torch backend's: on "
                          "llama.cpp a draft model runs its GGUF as it is (use --backend torch for them)")
     if not _shares_vocab(spec, model_spec, target.vocab_size):
-        return NgramDrafter()
+        return lookup_drafter("lookup")
     path = gguf_file(model_spec)
     if path is None:
         raise ValueError(f"a draft model on llama.cpp is a GGUF file or a built-in name, not {model_spec!r}")
     drafter = LlamaDrafter(LlamaCppBackend(path, threads=threads), name=model_spec)
-    return ComboDrafter(drafter, ngram_stretch=AUTO_NGRAM_STRETCH) if spec.startswith("auto") else drafter
+    return auto_drafter(drafter) if spec.startswith("auto") else drafter
 
 
 def load_components(target: str, draft: str | None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,

@@ -15,16 +15,21 @@ class Prompt:
     text: str  # the first user turn: the user message of a chat template
 
 
-def default_prompt_file() -> Path:
-    """The Spec-Bench dev set shipped with the package (Apache-2.0, see data/NOTICE.md)."""
-    return Path(str(resources.files("specdecode") / "data" / "specbench-dev.jsonl"))
+# Prompt sets shipped with the package (data/NOTICE.md), by the name `--prompts` takes: Spec-Bench's dev half (the
+# general benchmark) and code edits (the answer copies most of the input: where lookup drafts pay most).
+SHIPPED = {"specbench": "specbench-dev.jsonl", "edits": "edit-dev.jsonl"}
+
+
+def shipped_prompt_file(name: str = "specbench") -> Path:
+    return Path(str(resources.files("specdecode") / "data" / SHIPPED[name]))
 
 
 def load_prompts(
     path: str | Path | None = None, *, tasks: list[str] | None = None, per_task: int | None = None, limit: int | None = None
 ) -> list[Prompt]:
-    """Read prompts; keep the named tasks, the first `per_task` of each task, then the first `limit`."""
-    path = Path(path) if path else default_prompt_file()
+    """Read prompts (a file, or a shipped set's name: specbench, edits); keep the named tasks, the first `per_task`
+    of each task, then the first `limit`."""
+    path = shipped_prompt_file(path or "specbench") if path is None or str(path) in SHIPPED else Path(path)
     if not path.exists():
         raise ValueError(f"prompt file not found: {path}")
     prompts = []

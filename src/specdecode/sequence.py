@@ -99,10 +99,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.result.finish_reason is not None
 
-    def start(self, logits: torch.Tensor, prefill_drafter: bool = True) -> None:
-        """The prefill's last-position logits [1, V] give the first token. The drafter reads the prompt now,
-        or (prefill_drafter=False, the batched engine) at the first step that drafts: under load, when
-        speculation is off, a request then never pays for the draft model reading its prompt."""
+    def start(self, logits: torch.Tensor) -> None:
+        """The prefill's last-position logits [1, V] give the first token. A draft model reads the prompt at the first
+        step that drafts with it: a request whose drafting never pays never pays for that reading."""
         self.stats.target_passes += 1
         first = self._choose(logits, self.prompt.shape[1])
         self.ids = torch.cat([self.prompt, first[:, None].cpu()], dim=1)
@@ -112,8 +111,7 @@ class Sequence:
         self.drafter_ready = False
         if self.drafter is not None:
             self.drafter.reset()
-            if prefill_drafter:
-                self._prefill_drafter()
+            self.drafter.begin(self.prompt)
 
     def _prefill_drafter(self) -> float:
         """The draft reads the prompt once (not a draft step's cost); returns the seconds it took."""
@@ -159,40 +157,52 @@ class Sequence:
         """No need to draft past the budget: the target adds one token of its own."""
         return self.max_new_tokens - len(self.result.token_ids) - 1
 
-    def propose_free(self) -> Draft:
-        """A draft that costs no model pass (the drafter's lookup), up to k tokens; often empty."""
+    def propose_free(self, length: int | None = None, leaves: int = 0) -> Draft:
+        """A draft that costs no model pass (the drafter's lookup), up to `length` tokens (default k); often empty.
+        leaves: 0 drops its tree leaves (the engine would not verify them)."""
         self.step_prefill_s = 0.0
         if self.drafter is None or self.draft_budget <= 0:
             return Draft.empty()
-        draft = self.drafter.propose_free(self.ids, self.k)
+        draft = self.drafter.propose_free(self.ids, length or self.k)
         draft.truncate(self.draft_budget)
+        if not leaves:
+            draft.alternatives = None
         return draft
 
     def propose(self, controller, leaves: int = 0) -> Draft:
         """This step's draft (empty: a plain step). leaves: runner-ups per token the engine could verify with it."""
-        draft = Draft.empty()
         self.step_prefill_s = 0.0
         if self.drafter is None:
-            return draft
+            return Draft.empty()
         budget = self.draft_budget
-        unread = self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
-        plan = controller.plan(min(budget, self.k), self.drafter_ready, unread, leaves, remaining=budget)
-        if plan.length > 0:
-            if not self.drafter_ready:
-                self.step_prefill_s = self._prefill_drafter()
-                controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)
-            passes_before = self.drafter.forward_passes
-            draft = controller.trim(self.drafter.propose(self.ids, plan.length, self.sampling, self.draws, plan.keep_going))
-            if not plan.leaves:
-                draft.alternatives = None
-            if draft.reading_s:  # a catch-up pass over all but the last unread token
-                controller.observe_reading(unread - 1, draft.reading_s)
-            draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
-            self.stats.draft_passes += self.drafter.forward_passes - passes_before
-        elif budget > 0:  # model drafting does not pay this step; a lookup that costs nothing still may
-            draft = controller.trim(self.propose_free())
+        if self.drafter.free:  # a lookup: nothing to read, no model pass; its measured gain decides its length
+            draft = controller.trim(self.propose_free(controller.lookup_length(), leaves))
+        else:
+            draft = self._propose_with_model(controller, leaves, budget)
+        if controller.model_off and not self.stats.note:
+            self.stats.note = controller.model_off
         if draft.length == 0 and budget > 0:
             self.stats.plain_steps += 1
+        return draft
+
+    def _propose_with_model(self, controller, leaves: int, budget: int) -> Draft:
+        unread = self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
+        generated = len(self.result.token_ids) + len(self.new)
+        plan = controller.plan(min(budget, self.k), self.drafter_ready, unread, leaves, remaining=budget,
+                               generated=generated)
+        if plan.length == 0:  # model drafting does not pay this step; a lookup that costs nothing still may
+            return controller.trim(self.propose_free(controller.lookup_length(), leaves)) if budget > 0 else Draft.empty()
+        if not self.drafter_ready:
+            self.step_prefill_s = self._prefill_drafter()
+            controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)
+        passes_before = self.drafter.forward_passes
+        draft = controller.trim(self.drafter.propose(self.ids, plan.length, self.sampling, self.draws, plan.keep_going))
+        if not plan.leaves:
+            draft.alternatives = None
+        if draft.reading_s:  # a catch-up pass over all but the last unread token
+            controller.observe_reading(unread - 1, draft.reading_s)
+        draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
+        self.stats.draft_passes += self.drafter.forward_passes - passes_before
         return draft
 
     def _choose(self, logits: torch.Tensor, position: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ class GenerationStats:
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
+    note: str = ""  # what the controller decided for the whole request, said once (e.g. model drafts off here)
 
     def record_step(self, drafted: int, accepted: int, source: str = "") -> None:
         self.steps += 1

@@ -119,7 +119,7 @@ def _stats_table(runs: list[tuple[str, dict]]):
 
 
 def _add_prompt_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", default=None, help="JSONL (id, task, turns) or text file; default: the Spec-Bench dev set")
+    p.add_argument("--prompts", default=None, help="JSONL (id, task, turns) or text file, or a shipped set: specbench (the default: Spec-Bench dev half), edits (code edits)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks to keep")
     p.add_argument("--per-task", type=int, default=None, help="first N prompts of each task")
     p.add_argument("--limit", type=int, default=None, help="first N prompts overall")

@@ -50,14 +50,37 @@ class DraftPlan:
         return gain / max(cost, 1e-9) > self.expected / max(self.elapsed, 1e-9)
 
 
+LOOKUP_POSITIONS = 32  # acceptance is learned per position up to here (later ones fare like the last)
+
+
+def match_class(match_len: int) -> int:
+    """Lookup drafts are told apart by how long a match they came from: 0 (none given), 1, 2, 3, 4-7, 8-15, 16+."""
+    return match_len if match_len < 4 else min(4 + (match_len.bit_length() - 3), 6)
+
+
+def _widths(draft) -> list[int]:
+    """[n]: the pass's width for the draft's first n tokens with their tree leaves (0 <= n <= length)."""
+    leaves = [0] * draft.length if draft.alternatives is None else (draft.alternatives[0] >= 0).sum(-1).tolist()
+    widths = [1]
+    for count in leaves:
+        widths.append(widths[-1] + 1 + count)
+    return widths
+
+
 class FixedK:
     """Always draft k tokens (the classic setting), with whatever leaves the drafter offers."""
+
+    model_off = None
 
     def __init__(self, k: int):
         self.max_k = k
 
-    def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0, remaining=None) -> DraftPlan:
+    def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0, remaining=None,
+             generated=None) -> DraftPlan:
         return DraftPlan(min(self.max_k, max_len), leaves=bool(leaves))
+
+    def lookup_length(self) -> int:
+        return self.max_k
 
     def observe_reading(self, tokens: int, seconds: float) -> None:
         pass
@@ -71,7 +94,8 @@ class AdaptiveK:
     `batch` decides for a batch of rows from the same measurements."""
 
     MIN_GAIN = priors.MIN_GAIN
-    READ_SHARE = priors.READ_SHARE
+    BEST_ACCEPT = priors.BEST_ACCEPT
+    READ_PAYBACK = priors.READ_PAYBACK
     START_DRAFT = priors.START_DRAFT
     MAX_PROBE_INTERVAL = priors.MAX_PROBE_INTERVAL
     REGIME_CHANGE = priors.REGIME_CHANGE
@@ -82,8 +106,8 @@ class AdaptiveK:
         self.calibrator = ConfidenceCalibrator()
         self.first_accept = Ema(priors.EMA_ALPHA, priors.FIRST_ACCEPT)  # a step's first draft token, any confidence
         self.pass_line = PassCostLine()  # one sequence's verify cost by width (the table serves batches)
-        # For drafts without confidence (n-gram): P(accept position j | positions before accepted).
-        self.position_accept: dict[str, list[Ema]] = {}
+        # Lookup drafts (no confidence), by (source, match class): P(accept position j | the positions before accepted)
+        self.position_accept: dict[tuple[str, int], list[Ema]] = {}
         # At a rejection one of the tree leaves is the target's correction this often (one more token)
         self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
         self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
@@ -93,6 +117,7 @@ class AdaptiveK:
         self.lookup_skips = 0  # lookup drafts trimmed to nothing since the last one verified (trim's own probes)
         # Doubles while lookup probes are rejected (a verified position costs ~60 % of a pass on llama.cpp)
         self.lookup_probe_interval = probe_every
+        self.model_off: str | None = None  # why model drafts are off on this machine (None: they may pay)
         self.batch = BatchPolicy(self)
 
     # --- the cost of a step, as measured -----------------------------------------------------------
@@ -122,18 +147,32 @@ class AdaptiveK:
         verify = self.verify_model_draft(2, leaves, offered)
         return (1 + a + (1 - a) * self.leaf_hit_rate(leaves)) / (self.costs.draft_time() + verify)
 
-    def _best_case_rate(self, t_plain: float, max_len: int) -> float:
-        """Tokens per second of the best draft length if the target accepted every drafted token: with passes as the
-        measured line prices them, or, before it has a slope, as the measured one- and two-position passes extend
-        linearly (no guess from the table's conservative extrapolation: that must not make drafting look hopeless)."""
+    def _best_case_rate(self, t_plain: float, max_len: int, accept: float = 1.0) -> float:
+        """Tokens per second of the best draft length if the target accepted each drafted token with probability
+        `accept` (1: every one), with passes priced by the pass table (measured by width at load, then every step;
+        interpolated between): a line through a curve that is flat in places made a hopeless draft look as if it
+        could pay on llama.cpp."""
         t_draft = self.costs.draft_time()
-        measured = self.pass_line.slope is not None
-        step = max(self.costs.verify_time(2) - t_plain, 0.0) if self.costs.measured(2) else 0.0
 
-        def verify(k: int) -> float:
-            return self.verify_model_draft(k + 1, False) if measured else t_plain + step * k
+        def expected(k: int) -> float:  # 1 + accept + ... + accept^k
+            return k + 1 if accept >= 1 else (1 - accept ** (k + 1)) / (1 - accept)
 
-        return max((k + 1) / (k * t_draft + verify(k)) for k in range(1, max(max_len, 1) + 1))
+        return max(expected(k) / (k * t_draft + self.costs.verify_time(k + 1)) for k in range(1, max(max_len, 1) + 1))
+
+    def model_can_pay(self, max_len: int) -> bool:
+        """Whether a model draft could beat plain decoding on this machine at the best acceptance drafts reach
+        (BEST_ACCEPT per token), from the measured costs. Where it cannot, the draft model reads no prompt and runs
+        no probe: only lookups are drafted (`model_off` says why)."""
+        t_plain, t_draft = self.costs.verify_time(1), self.costs.draft_time()
+        if t_plain is None or not t_draft:
+            return True  # not measured yet: nothing says it cannot
+        best = self._best_case_rate(t_plain, max_len, self.BEST_ACCEPT) * t_plain
+        if best >= self.min_gain:
+            self.model_off = None
+            return True
+        self.model_off = (f"model drafts off: at {self.BEST_ACCEPT:.0%} acceptance they would reach {best:.2f}x plain "
+                          "decoding on this machine's measured costs; lookup drafts only")
+        return False
 
     def _leaves_pay(self, offered: int) -> bool:
         """Leaves pay where a wider pass is nearly free (AVX-512 bf16: 25 positions ~ 9) and lose where every position
@@ -144,26 +183,32 @@ class AdaptiveK:
     # --- one row's decision ------------------------------------------------------------------------
 
     def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0,
-             remaining: int | None = None) -> DraftPlan:
+             remaining: int | None = None, generated: int | None = None) -> DraftPlan:
         """This step's plan for a row that may draft up to max_len tokens. ready: its drafter has read the prompt;
         unread: tokens it would have to read before drafting; leaves: runner-ups the drafter offers per token
-        (0: none, or the engine cannot verify them); remaining: tokens the request may still make (default max_len)."""
+        (0: none, or the engine cannot verify them); remaining: tokens the request may still make (default max_len);
+        generated: tokens it has made so far (default: as many as remain)."""
         if max_len <= 0:
             return DraftPlan(0)
         if self.batch.cap is not None:  # the batch decided
             return DraftPlan(self.batch.row_length(max_len, ready), controller=self, elapsed=self._verify(1))
         with_leaves = self._leaves_pay(leaves)
-        length = self._length(max_len, max_len if remaining is None else remaining, ready, unread, with_leaves, leaves)
+        remaining = max_len if remaining is None else remaining
+        generated = remaining if generated is None else generated
+        length = self._length(max_len, remaining, ready, unread, with_leaves, leaves, generated)
         return DraftPlan(length, with_leaves, self, offered=leaves, elapsed=self._verify(1))
 
-    def _length(self, max_len: int, remaining: int, ready: bool, unread: int, with_leaves: bool, offered: int) -> int:
+    def _length(self, max_len: int, remaining: int, ready: bool, unread: int, with_leaves: bool, offered: int,
+                generated: int) -> int:
         # The gate compares with plain passes as measured: the line's level fits wide passes, and where the first
         # positions cost most (AVX2 bf16: 1 -> 5 positions x4) it put a plain pass 25 % too dear.
         t_plain, t_draft = self.costs.verify_time(1), self.costs.draft_time()
         if not self.costs.measured(1):  # first a plain pass: drafting is judged against it (a plain step never loses)
             return 0
-        per_token = self.costs.draft_prefill_token_s.value
-        if per_token is not None and unread * per_token > self.READ_SHARE * remaining * t_plain:
+        # A drafter that has not read the prompt costs nothing until it is expected to pay: not where even its best
+        # case loses, and not before the answer has run long enough to earn the reading back.
+        if not ready and (not self.model_can_pay(max_len)
+                          or not self._reading_pays(t_plain, unread, remaining, generated, with_leaves, offered)):
             self.skipped_steps += 1
             return 0
         if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
@@ -193,10 +238,26 @@ class AdaptiveK:
             self.probe_interval = self.MAX_PROBE_INTERVAL
         return 1
 
-    def expected_accepted(self, source: str, length: int) -> list[float]:
-        """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (n-gram),
-        from the source's measured acceptance by position."""
-        accept = self._position_accept(source)
+    def _reading_pays(self, t_plain: float, unread: int, remaining: int, generated: int, with_leaves: bool,
+                      offered: int) -> bool:
+        """A drafter that has not read the prompt reads it once the request has decoded plainly for as long as the
+        reading would take to earn back at the expected saving per token (ski rental: what the answer has run so far
+        is the best guess of what is left; a bet on max_new_tokens lost on short answers), and only when the tokens
+        left could earn it back. Where drafting is not expected to pay, it is not read for a probe: probes are for
+        drafters in step with the text (a reading for a probe cost 10 % of a 400-token answer on AVX2 fp32)."""
+        per_token = self.costs.draft_prefill_token_s.value
+        if per_token is None or not unread:
+            return True
+        spec_rate = self._speculative_rate(with_leaves, offered)
+        if spec_rate * t_plain < self.min_gain:  # drafting is not expected to pay: nothing would earn the reading back
+            return False
+        saving = max(t_plain - 1 / spec_rate, 0.0)  # seconds a drafted token saves
+        return min(generated, remaining) * saving >= self.READ_PAYBACK * unread * per_token
+
+    def expected_accepted(self, source: str, length: int, match_len: int = 0) -> list[float]:
+        """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (a lookup), from the
+        measured acceptance by position of drafts from that source with a match of about that length."""
+        accept = self._position_accept(source, match_len)
         expected, survive, total = [], 1.0, 0.0
         for j in range(length):
             survive *= accept[min(j, len(accept) - 1)].value
@@ -204,22 +265,34 @@ class AdaptiveK:
             expected.append(total)
         return expected
 
-    def _position_accept(self, source: str) -> list[Ema]:
-        return self.position_accept.setdefault(
-            source, [Ema(priors.EMA_ALPHA, priors.POSITION_ACCEPT) for _ in range(self.max_k)])
+    def _position_accept(self, source: str, match_len: int) -> list[Ema]:
+        key = (source, match_class(match_len))
+        if key not in self.position_accept:
+            self.position_accept[key] = [Ema(priors.EMA_ALPHA, priors.POSITION_ACCEPT) for _ in range(LOOKUP_POSITIONS)]
+        return self.position_accept[key]
+
+    def lookup_length(self) -> int:
+        """The longest lookup draft worth proposing: what the widest pass measured can verify (at least max_k)."""
+        return max(self.max_k, self.costs.widest() - 1)
 
     def trim(self, draft):
-        """Cut a draft made all at once (no confidence: n-gram) to the length that maximises expected
-        tokens per second, from its measured acceptance by position; verify cost is what it risks."""
+        """Cut a draft made all at once (no confidence: a lookup) to the length that maximises expected tokens per
+        second, from its source's measured acceptance by position and match length and the pass's measured cost by
+        width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
+        passes."""
         if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1, self.batch.rows) is None:
             return draft
-        best_len, best_rate = 0, 1 / max(self._verify(1), 1e-9)
-        for n, accepted in enumerate(self.expected_accepted(draft.source, draft.length), 1):
-            rate = (1 + accepted) / max(self._verify(n + 1), 1e-9)
+        width, rows = _widths(draft), self.batch.rows
+        # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
+        # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
+        verify = lambda positions: self.costs.verify_time(positions, rows) / rows  # noqa: E731
+        best_len, best_rate = 0, 1 / max(verify(1), 1e-9)
+        for n, accepted in enumerate(self.expected_accepted(draft.source, draft.length, draft.match_len), 1):
+            rate = (1 + accepted) / max(verify(width[n]), 1e-9)
             if rate > best_rate:
                 best_len, best_rate = n, rate
         widest = self.costs.widest()
-        if self.batch.rows == 1 and best_len + 1 == widest and draft.length > best_len:
+        if self.batch.rows == 1 and width[best_len] == widest and draft.length > best_len:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
@@ -250,11 +323,11 @@ class AdaptiveK:
 
     def observe_row(
         self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
-        leaf_used: bool | None = None, positions: int | None = None,
+        leaf_used: bool | None = None, positions: int | None = None, match_len: int = 0,
     ) -> None:
         """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
         a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
-        more than drafted + 1 with leaves)."""
+        more than drafted + 1 with leaves; match_len: a lookup draft's match)."""
         before = self.costs.draft_token_s.get(source)
         if drafted and before is not None and before.value and draft_s / drafted < self.REGIME_CHANGE * before.value:
             self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
@@ -271,6 +344,6 @@ class AdaptiveK:
         else:
             if accepted:
                 self.lookup_probe_interval = self.probe_every
-            accept = self._position_accept(source)
+            accept = self._position_accept(source, match_len)
             for j in range(min(drafted, accepted + 1, len(accept))):
                 accept[j].update(1.0 if j < accepted else 0.0)

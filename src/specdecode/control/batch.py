@@ -87,7 +87,7 @@ class BatchPolicy:
         t = lambda positions: self.measured.costs.verify_time(positions, rows)  # noqa: E731
         if not longest or t(1) is None:
             return 0
-        expected = [self.measured.expected_accepted(d.source, d.length) for d in drafts if d.length]
+        expected = [self.measured.expected_accepted(d.source, d.length, d.match_len) for d in drafts if d.length]
         best_n, best_rate = 0, self.FREE_MIN_GAIN * rows / t(1)
         for n in range(1, longest + 1):
             rate = (rows + sum(e[min(n, len(e)) - 1] for e in expected)) / t(n + 1)

@@ -11,10 +11,13 @@ import torch
 from ..sampling import SamplingParams
 from .adaptive import AdaptiveK
 
-WIDTHS = (1, 2, 4, 8)
+WIDTHS = (1, 2, 4, 8, 16, 32)  # lookups verify long drafts where wide passes are cheap: measured, not extrapolated
+TIMED_TWICE = 8  # widths up to this are timed twice (the faster counts): model drafts live there
 PROMPT_TOKENS = 32
 DRAFT_TOKENS = 4
-STOP_ABOVE = 3.0  # wider passes are not measured once one costs this many plain passes: no draft would fill them
+# Wider passes are not measured once a pass of width w costs this share of w plain passes: not even a draft accepted
+# whole would gain a third there.
+STOP_SHARE = 0.75
 
 
 def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
@@ -25,9 +28,10 @@ def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
     backend.add_row(prompt)  # also brings the weights into memory (the first pass over a fresh mmap is slow)
     try:
         passes = measured["verify_s"]
-        for _ in range(2):  # the faster of two: a hiccup must not make a width look dear
+        for round_ in range(2):  # the faster of two: a hiccup must not make a width look dear
             for width in WIDTHS:
-                if passes and max(passes.values()) > STOP_ABOVE * passes[1]:
+                if (round_ and width > TIMED_TWICE) or any(
+                        passes[w] > STOP_SHARE * w * passes[1] for w in passes if 1 < w < width):
                     break
                 t0 = time.perf_counter()
                 backend.forward(prompt[:, :width], [width])

@@ -24,8 +24,12 @@ MAX_PROBE_INTERVAL = 128  # at most this many: a probe then costs < 1 % even whe
 START_DRAFT = 1  # a fresh controller's first draft is short: where each position costs, 8 tokens + leaves took 8 s (AVX2)
 REGIME_CHANGE = 0.5  # a draft token this much cheaper than its average says the machine's load changed: probe soon
 
-# Reading: a drafter that has not read the prompt (or sat out steps) must read it before drafting
-READ_SHARE = 0.25  # at most this share of the plain time left (0.5B on llama.cpp, 2 cores: 800 tokens took 3.7 s)
+# What a model draft could reach at best: where even this acceptance cannot beat plain decoding on the measured
+# costs, the draft model is never run (no prompt reading, no probe). The Qwen pair's best task measured 0.8.
+BEST_ACCEPT = 0.9
+# Reading: a draft model reads the prompt once the answer so far, at the expected saving per token, would have earned
+# back this many readings (ski rental: 1 costs at most twice what knowing the answer's length would have)
+READ_PAYBACK = 1.0
 
 # Verify-cost model
 UNMEASURED_GROWTH = 0.5  # past the widest pass measured, cost grows at least half proportionally (batches are not free)

@@ -25,6 +25,7 @@ class Draft:
     # [B, n, m]: at each position, up to m other likely tokens the target may correct to (leaves verified with
     # the chain in one pass, see tree.py; -1: no leaf there); None: none offered
     alternatives: torch.Tensor | None = None
+    match_len: int = 0  # a lookup draft: how many tokens of the text's end matched (its acceptance depends on it)
 
     @property
     def length(self) -> int:
@@ -76,12 +77,16 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    free: bool = False  # every draft costs no model pass (a lookup): nothing to read, nothing to time
     forward_passes: int = 0  # model forward passes so far (stays 0 for model-free drafters)
     # Runner-up tokens a draft may carry per drafted position (Draft.alternatives: tree leaves, tree.py).
     alternatives: int = 0
 
     def reset(self) -> None:
         """Forget the previous sequence."""
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        """A new sequence starts from this prompt [1, L] (after `reset`; no model pass: see `prefill`)."""
 
     def prefill(self, prompt_ids: torch.Tensor) -> None:
         """Read a new sequence's prompt [B, L] ahead of the first propose (so that cost is not a draft step's)."""

@@ -1,20 +1,19 @@
-"""N-gram lookup where the context has a confident match, a draft model everywhere else."""
+"""Lookup drafts (n-gram or suffix trees) where the context has a match, a draft model everywhere else."""
 
 from __future__ import annotations
 
 from .base import Draft, Drafter
-from .model import ModelDrafter
 from .ngram import NgramDrafter
 
 
 class ComboDrafter(Drafter):
     name = "auto"
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter | None = None, min_match: int = 3, ngram_stretch: int = 1):
-        self.model, self.ngram, self.min_match = model, ngram or NgramDrafter(), min_match
-        # Copied text runs long and n-gram drafts cost nothing to make: ngram_stretch > 1 lets them run
-        # past k (the adaptive controller still trims them; `auto` uses 2).
-        self.ngram_stretch = ngram_stretch
+    def __init__(self, model: Drafter, lookup: Drafter | None = None, min_match: int = 3, lookup_stretch: int = 1):
+        self.model, self.lookup, self.min_match = model, lookup or NgramDrafter(), min_match
+        # Copied text runs long and lookup drafts cost nothing to make: lookup_stretch > 1 lets them run past the
+        # model's k where the model would draft (the adaptive controller still trims them; `auto` uses 2).
+        self.lookup_stretch = lookup_stretch
         self.name = f"auto({model.name})"
 
     @property
@@ -26,11 +25,14 @@ class ComboDrafter(Drafter):
         return self.model.forward_passes
 
     def spawn(self) -> "ComboDrafter":
-        return ComboDrafter(self.model.spawn(), self.ngram.spawn(), self.min_match, self.ngram_stretch)
+        return ComboDrafter(self.model.spawn(), self.lookup.spawn(), self.min_match, self.lookup_stretch)
 
     def reset(self) -> None:
         self.model.reset()
-        self.ngram.reset()
+        self.lookup.reset()
+
+    def begin(self, prompt_ids) -> None:
+        self.lookup.begin(prompt_ids)
 
     def unread(self, input_ids) -> int:
         return self.model.unread(input_ids)
@@ -42,17 +44,16 @@ class ComboDrafter(Drafter):
         self.model.check_vocab(vocab_size, tokenizer)
 
     def propose_free(self, input_ids, k) -> Draft:
-        # A long suffix match predicts copying well; a short one is a coin toss the model does better.
-        draft = self.ngram.propose(input_ids, k * self.ngram_stretch, None, None)
-        if draft.length and self.ngram.last_match_len >= self.min_match:
-            return draft
-        return Draft.empty(1, input_ids.device)
+        """The lookup's draft, whatever its match: the controller prices it by its match length."""
+        return self.lookup.propose_free(input_ids, k)
 
     def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
-        draft = self.propose_free(input_ids, k)
-        if draft.length:
+        # Where the model drafts, a long match predicts copying better than it; a short one is a coin toss it does better.
+        draft = self.lookup.propose_free(input_ids, k * self.lookup_stretch)
+        if draft.length and draft.match_len >= self.min_match:
             return draft
         return self.model.propose(input_ids, k, sampling, draws, keep_going)
 
     def commit(self, input_ids) -> None:
         self.model.commit(input_ids)
+        self.lookup.commit(input_ids)

@@ -10,12 +10,12 @@ from .base import Draft, Drafter
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    free = True
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.last_match_len = 0  # length of the suffix that matched in the last propose (0: none)
 
     def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
         ids = input_ids[0]
@@ -29,9 +29,7 @@ class NgramDrafter(Drafter):
                 follow = int(starts[-1]) + n  # latest match: the most local context
                 tokens = ids[follow : follow + k]
                 if len(tokens):
-                    self.last_match_len = n
-                    return Draft(tokens[None].clone(), source=self.name)
-        self.last_match_len = 0
+                    return Draft(tokens[None].clone(), source=self.name, match_len=n)
         return Draft.empty(1, input_ids.device)
 
     def propose_free(self, input_ids, k) -> Draft:
