@@ -66,6 +66,12 @@ def lookup_drafter(spec: str) -> Drafter | None:
     return None
 
 
+def adaptive_by_default(spec: str | None) -> bool:
+    """The controller is on by default for `auto` and for the lookups it prices by measured gain (suffix, lookup);
+    `ngram` alone stays the classic fixed-k prompt lookup."""
+    return bool(spec) and (spec.startswith("auto") or spec in ("suffix", "lookup"))
+
+
 def auto_drafter(model: Drafter) -> ComboDrafter:
     return ComboDrafter(model, lookup_drafter("lookup"), lookup_stretch=AUTO_LOOKUP_STRETCH)
 
@@ -156,10 +162,10 @@ def load_components(target: str, draft: str | None, *, dtype=None, k: int | None
                     threads: int | None = None, compile_draft: bool = False, backend: str = "auto", max_rows: int = 1):
     """(target, tokenizer, drafter, k, adaptive) from specs. The target is a transformers model (torch backend) or
     a LlamaCppBackend holding up to `max_rows` rows; backend 'auto' picks (see backends.choose_backend).
-    adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive."""
+    adaptive=None: see adaptive_by_default; k=None: 5 fixed, at most 8 adaptive."""
     from .backends import choose_backend
 
-    adaptive = bool(draft and draft.startswith("auto")) if adaptive is None else adaptive
+    adaptive = adaptive_by_default(draft) if adaptive is None else adaptive
     k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
     if choose_backend(backend, target) == "llama.cpp":
         from .backends.llamacpp import LlamaCppBackend
@@ -247,7 +253,7 @@ class SpecDecoder:
         cls, target: str, draft: str | None = None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
         threads: int | None = None, compile_draft: bool = False, backend: str = "auto",
     ):
-        """adaptive=None: on for the 'auto' drafter, off otherwise; k=None: 5 fixed, at most 8 adaptive;
+        """adaptive=None: see adaptive_by_default; k=None: 5 fixed, at most 8 adaptive;
         compile_draft: `auto` compiles its draft model's step (see `make_drafter`); backend: auto, torch or
         llama.cpp (see backends.choose_backend)."""
         model, tokenizer, drafter, k, adaptive = load_components(

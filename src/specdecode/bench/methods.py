@@ -21,7 +21,7 @@ import torch
 from ..backends.llamaguard import default_params_for
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
-from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, make_drafter, make_llama_drafter, model_spec_of
+from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, adaptive_by_default, make_drafter, make_llama_drafter, model_spec_of
 from ..sampling import SamplingParams
 from ..stopping import StopCondition
 
@@ -157,7 +157,7 @@ def parse_spec_method(name: str, default_draft: str, default_k: int | None, defa
         parts = [":".join(parts)]
     spec = parts[0] or default_draft
     if len(parts) == 1:
-        adaptive = spec.startswith("auto") if default_adaptive is None else default_adaptive
+        adaptive = adaptive_by_default(spec) if default_adaptive is None else default_adaptive
         return spec, default_k or (DEFAULT_MAX_K if adaptive else DEFAULT_K), adaptive
     return spec, int(parts[1].lstrip("a")), parts[1].startswith("a")
 

@@ -93,11 +93,13 @@ def run_bench(methods: list[Method], prompts: list[Prompt], encode, config: Benc
         for method in methods:
             method.run(warm, 4, config.sampling)
     rows = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         input_ids = encode(prompt.text)
         per_method: dict[str, list[dict]] = {m.name: [] for m in methods}
         for r in range(config.repeat):
-            for method in methods:  # interleaved: every method sees the same machine state
+            # interleaved, every other round in reverse order: every method sees the same machine state, and none
+            # is always the first after a change of prompt
+            for method in (methods if (i + r) % 2 == 0 else methods[::-1]):
                 per_method[method.name].append(_row(prompt, method, method.run(input_ids, config.max_new_tokens, config.sampling), r))
                 if progress:
                     progress()

@@ -13,9 +13,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default="auto",
-        help=f"drafter: a model spec (with +int8 or +int4, +head, +compile, +altN options), 'ngram' (prompt lookup), 'self[:L]' (the "
-        f"target's first L layers), 'auto[:MODEL]' "
-        f"(n-gram where the context matches, else the int4 + restricted-head {DEFAULT_DRAFT}; adaptive; the default) or 'none'",
+        help=f"drafter: a model spec (with +int8 or +int4, +head, +compile, +altN options), 'suffix' (suffix trees over the "
+        "prompt, the answer and earlier answers), 'ngram' (prompt lookup), 'self[:L]' (the target's first L layers), "
+        f"'auto[:MODEL]' (lookups wherever they pay, else {DEFAULT_DRAFT} where it can; adaptive; the default) or 'none'",
     )
     p.add_argument(
         "--compile-draft", action=argparse.BooleanOptionalAction, default=None,
@@ -28,7 +28,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=None, help="draft length (default 5), or its maximum when adaptive (default 8)")
     p.add_argument(
         "--adaptive", action=argparse.BooleanOptionalAction, default=None,
-        help="choose the draft length (and plain decoding) per step from measured costs (default: on for auto)",
+        help="choose the draft length (and plain decoding) per step from measured costs (default: on for auto and suffix)",
     )
 
 
@@ -119,7 +119,8 @@ def _stats_table(runs: list[tuple[str, dict]]):
 
 
 def _add_prompt_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", default=None, help="JSONL (id, task, turns) or text file, or a shipped set: specbench (the default: Spec-Bench dev half), edits (code edits)")
+    p.add_argument("--prompts", default=None, help="JSONL (id, task, turns) or text file, or a shipped set: "
+                   "specbench (the default: Spec-Bench's dev half) or edits (code edits)")
     p.add_argument("--tasks", default=None, help="comma-separated tasks to keep")
     p.add_argument("--per-task", type=int, default=None, help="first N prompts of each task")
     p.add_argument("--limit", type=int, default=None, help="first N prompts overall")
