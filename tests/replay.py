@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.control import AdaptiveK
+from specdecode.control.calibrate import STOP_SHARE, WIDTHS
 
 DATA = Path(__file__).parent / "data"
 PROFILES = json.loads((DATA / "cpu-profiles.json").read_text())
@@ -77,8 +78,8 @@ def seed_as_at_load(ctl: AdaptiveK, machine: Machine) -> None:
     """What `control.calibrate` measures at load, from the profile: passes by width (as far as it times them), a
     4-token draft and a 32-token reading."""
     plain = machine.verify_s(1)
-    for width in (1, 2, 4, 8, 16, 32):
-        if any(machine.verify_s(w) > 0.75 * w * plain for w in (2, 4, 8, 16) if w < width):
+    for width in WIDTHS:
+        if any(machine.verify_s(w) > STOP_SHARE * w * plain for w in WIDTHS if 1 < w < width):
             break
         ctl.observe_pass(width, 1, machine.verify_s(width))
     ctl.rows_changed()

@@ -51,6 +51,8 @@ def cmd_generate(args) -> int:
         plain = decoder.generate(args.prompt, speculate=False, **options)
         rows.append(("plain", plain.stats.to_dict()))
     err.print(_stats_table(rows))
+    if completion.stats.note:
+        err.print(f"[dim]{completion.stats.note}[/dim]")
     if len(rows) == 2:
         spec_s, plain_s = rows[0][1], rows[1][1]
         same = completion.token_ids == plain.token_ids
