@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.control import AdaptiveK
-from specdecode.control.calibrate import STOP_SHARE, WIDTHS
+from specdecode.control.calibrate import WIDTHS, too_wide
 
 DATA = Path(__file__).parent / "data"
 PROFILES = json.loads((DATA / "cpu-profiles.json").read_text())
@@ -77,11 +77,12 @@ def _read_ms(draft: dict[int, float], target: dict[int, float]) -> float:
 def seed_as_at_load(ctl: AdaptiveK, machine: Machine) -> None:
     """What `control.calibrate` measures at load, from the profile: passes by width (as far as it times them), a
     4-token draft and a 32-token reading."""
-    plain = machine.verify_s(1)
+    passes: dict[int, float] = {}
     for width in WIDTHS:
-        if any(machine.verify_s(w) > STOP_SHARE * w * plain for w in WIDTHS if 1 < w < width):
+        if too_wide(passes, width):
             break
-        ctl.observe_pass(width, 1, machine.verify_s(width))
+        passes[width] = machine.verify_s(width)
+        ctl.observe_pass(width, 1, passes[width])
     ctl.rows_changed()
     ctl.observe_reading(32, 32 * machine.draft_read_ms / 1000)
     ctl.costs.observe_draft("model", 4, 4 * machine.draft_ms / 1000)

@@ -176,7 +176,7 @@ class Sequence:
             return Draft.empty()
         budget = self.draft_budget
         if self.drafter.free:  # a lookup: nothing to read, no model pass; its measured gain decides its length
-            draft = controller.trim(self.propose_free(controller.lookup_length(), leaves))
+            draft = self._propose_lookup(controller, leaves)
         else:
             draft = self._propose_with_model(controller, leaves, budget)
         if controller.model_off and not self.stats.note:
@@ -185,13 +185,16 @@ class Sequence:
             self.stats.plain_steps += 1
         return draft
 
+    def _propose_lookup(self, controller, leaves: int) -> Draft:
+        return controller.trim(self.propose_free(controller.lookup_length(), leaves))
+
     def _propose_with_model(self, controller, leaves: int, budget: int) -> Draft:
         unread = self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
         generated = len(self.result.token_ids) + len(self.new)
         plan = controller.plan(min(budget, self.k), self.drafter_ready, unread, leaves, remaining=budget,
                                generated=generated)
         if plan.length == 0:  # model drafting does not pay this step; a lookup that costs nothing still may
-            return controller.trim(self.propose_free(controller.lookup_length(), leaves)) if budget > 0 else Draft.empty()
+            return self._propose_lookup(controller, leaves)
         if not self.drafter_ready:
             self.step_prefill_s = self._prefill_drafter()
             controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)

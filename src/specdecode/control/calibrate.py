@@ -20,6 +20,11 @@ DRAFT_TOKENS = 4
 STOP_SHARE = 1.0
 
 
+def too_wide(passes: dict[int, float], width: int) -> bool:
+    """Whether passes of `width` are past timing: a narrower one already cost its width in plain passes."""
+    return any(seconds > STOP_SHARE * w * passes[1] for w, seconds in passes.items() if 1 < w < width)
+
+
 def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
     """Time the backend's passes (a scratch row, removed after) and the drafter's reading and drafting (reset after);
     feed the controller as the engine would. Returns what was measured, in seconds."""
@@ -30,8 +35,7 @@ def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
         passes = measured["verify_s"]
         for round_ in range(2):  # the faster of two: a hiccup must not make a width look dear
             for width in WIDTHS:
-                if (round_ and width > TIMED_TWICE) or any(
-                        passes[w] > STOP_SHARE * w * passes[1] for w in passes if 1 < w < width):
+                if (round_ and width > TIMED_TWICE) or too_wide(passes, width):
                     break
                 t0 = time.perf_counter()
                 backend.forward(prompt[:, :width], [width])
