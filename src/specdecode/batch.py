@@ -48,6 +48,7 @@ class StepReport:
     admitted: int = 0  # requests prefilled this step (joined, or finished at their first token)
     admit_s: float = 0.0  # time spent prefilling them
     prefill_tokens: int = 0  # prompt tokens read this step (at most one chunk while other rows run)
+    cached_tokens: int = 0  # prompt tokens rows started with from the prefix cache this step (not read)
     step_s: float = 0.0  # the whole step
     speculative: bool = False  # some row drafted this step
     cap: int | None = None  # load-aware control's draft cap for the batch (None: not decided per batch)
@@ -296,12 +297,14 @@ class BatchEngine:
                 report.finished.append(seq)
                 continue
             try:
-                self._reading = (seq, self.backend.open_row())
+                reader = self.backend.open_row(seq.prompt)
             except Exception as error:
                 seq.fail(error)
                 report.finished.append(seq)
                 continue
-            seq.prompt_read = 0
+            self._reading = (seq, reader)
+            seq.prompt_read = seq.stats.cached_prompt_tokens = reader.cached  # a cached prefix is not read again
+            report.cached_tokens += reader.cached
             return True
         return False
 

@@ -154,7 +154,7 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
     path = gguf_file(model_spec)
     if path is None:
         raise ValueError(f"a draft model on llama.cpp is a GGUF file or a built-in name, not {model_spec!r}")
-    drafter = LlamaDrafter(LlamaCppBackend(path, threads=threads), name=model_spec)
+    drafter = LlamaDrafter(LlamaCppBackend(path, threads=threads, prefix_cache=False), name=model_spec)
     return auto_drafter(drafter) if spec.startswith("auto") else drafter
 
 

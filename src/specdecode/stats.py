@@ -15,6 +15,7 @@ def count_positions(counts: list[int], upto: int) -> None:
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, served from the prefix cache (not read again)
     new_tokens: int = 0
     target_passes: int = 0  # prefill included
     draft_passes: int = 0  # forward passes of a draft model (0 for model-free drafters)

@@ -17,6 +17,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from .prefix import PrefixCache
+
 
 class BackendError(RuntimeError):
     """A backend cannot do what was asked (missing dependency, unsupported model or feature)."""
@@ -30,6 +32,7 @@ class Backend(ABC):
     # Scores passes whose inputs attend by an explicit visibility (tree leaves); False: chains only.
     supports_tree: bool = False
     max_rows: int | None = None  # rows it can hold side by side (None: as many as memory allows)
+    prefix_cache: PrefixCache | None = None  # K/V of finished rows kept for later prompts (None: none kept)
 
     @property
     def near_tie_gap(self) -> float:
@@ -49,16 +52,21 @@ class Backend(ABC):
         """Positions the row's cache holds."""
 
     @abstractmethod
-    def open_row(self) -> "RowReader":
+    def open_row(self, prompt: torch.Tensor | None = None) -> "RowReader":
         """A new row, read chunk by chunk between passes (a long prompt then never stalls the other rows for its
-        whole reading); it joins the batch as the last row when `join`ed. Passes do not see it before."""
+        whole reading); it joins the batch as the last row when `join`ed. Passes do not see it before.
+        prompt [1, L]: what the row will read; with a prefix cache the row starts from the longest prefix of it held
+        (`reader.cached` positions are in place: read prompt[:, reader.cached:])."""
+
+    def drop_cached_prefixes(self) -> None:
+        """Forget every cached prefix (a benchmark starts each prompt cold)."""
 
     def add_row(self, prompt: torch.Tensor) -> torch.Tensor:
         """Read a prompt [1, L] into a new last row; returns the logits after its last token [1, V] (fp32, CPU).
         On failure (out of memory, say) no row is added and the others are untouched."""
-        reader = self.open_row()
+        reader = self.open_row(prompt)
         try:
-            logits = reader.read(prompt)
+            logits = reader.read(prompt[:, reader.cached :])
         except BaseException:
             reader.discard()
             raise
@@ -98,6 +106,8 @@ class Backend(ABC):
 
 class RowReader(ABC):
     """A row being read before it joins the batch (Backend.open_row)."""
+
+    cached: int = 0  # prompt positions it started with, from the prefix cache
 
     @abstractmethod
     def read(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,10 @@ low-level API.
 
 Rows are sequence ids in one context with a unified KV cache. A pass is one `llama_batch` whose tokens carry
 their row's sequence id and their own position, with logits asked for every real input; `keep` is
-`llama_memory_seq_rm` past the kept prefix. Chains only: a tree leaf would need a sequence of its own sharing
+`llama_memory_seq_rm` past the kept prefix. A finished row's sequence id stays as a spare holding its cells (the prefix
+cache); a new row whose prompt shares a prefix with one starts from it (`llama_memory_seq_cp`: the cells are shared,
+nothing is copied) and reads only the rest. Spares give way, least recently used first, when a pass finds no free
+cells or their ids run out. Chains only: a tree leaf would need a sequence of its own sharing
 the chain's cells (`llama_memory_seq_cp`), which is not built (see docs/results.md).
 """
 
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from .base import Backend, BackendError, RowReader, chain_offsets
+from .prefix import PrefixCache
 from .llamaguard import vet
 from .llamaprobe import buffer_types
 
@@ -101,12 +105,13 @@ class LlamaModel:
 class Context:
     """A llama.cpp context over a model: up to `max_rows` sequences of up to `window` positions each."""
 
-    def __init__(self, model: LlamaModel, threads: int | None, window: int, max_rows: int, max_pass: int):
+    def __init__(self, model: LlamaModel, threads: int | None, window: int, max_rows: int, max_pass: int,
+                 spare_seqs: int = 0, spare_cells: int = 0):
         lib = model.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = window * max_rows
+        params.n_ctx = window * max_rows + spare_cells
         params.n_batch = params.n_ubatch = max(max_pass, 32)
-        params.n_seq_max = max_rows
+        params.n_seq_max = max_rows + spare_seqs
         params.kv_unified = True  # rows share the whole cache (no fixed slice per sequence)
         params.no_perf = True
         if threads:
@@ -131,6 +136,8 @@ class Context:
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, out
             batch.seq_id[i][0] = seq
         status = self.lib.llama_decode(self.ctx, batch)
+        if status == 1:  # llama.cpp found no free cells and left the cache as it was
+            raise CacheFull("llama_decode failed (1: the KV cache is full)")
         if status != 0:
             raise BackendError(f"llama_decode failed ({status}{': the KV cache is full' if status == 1 else ''})")
         flagged = sum(logits)
@@ -142,8 +149,9 @@ class Context:
         """Drop the sequence's cells from position `start` on (-1: all of them)."""
         self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
-    def set_threads(self, threads: int) -> None:
-        self.lib.llama_set_n_threads(self.ctx, threads, threads)
+    def share(self, source: int, seq: int, length: int) -> None:
+        """The sequence `seq` (empty) gets the source's cells at positions 0..length-1 (the cells are shared)."""
+        self.lib.llama_memory_seq_cp(self.memory, source, seq, 0, length)
 
     def __del__(self):
         if getattr(self, "ctx", None):
@@ -152,21 +160,28 @@ class Context:
             self.ctx = None
 
 
+class CacheFull(BackendError):
+    """A pass found no free cells in the KV cache."""
+
+
 class LlamaRowReader(RowReader):
     """A sequence id of the context, read before it joins the batch's rows."""
 
-    def __init__(self, backend: "LlamaCppBackend", seq: int):
-        self.backend, self.seq, self.length = backend, seq, 0
+    def __init__(self, backend: "LlamaCppBackend", seq: int, tokens: list[int] | None = None):
+        self.backend, self.seq = backend, seq
+        self.tokens = tokens or []  # what its cells hold
+        self.cached = len(self.tokens)
 
     def read(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.backend._read(self.seq, self.length, tokens[0].tolist())
-        self.length += tokens.shape[1]
+        new = tokens[0].tolist()
+        logits = self.backend._read(self.seq, len(self.tokens), new)
+        self.tokens += new
         return logits
 
     def join(self) -> None:
         self.backend._reading.discard(self.seq)
         self.backend._seqs.append(self.seq)
-        self.backend._lengths.append(self.length)
+        self.backend._tokens.append(self.tokens)
 
     def discard(self) -> None:
         self.backend.context.forget(self.seq)
@@ -178,17 +193,24 @@ class LlamaCppBackend(Backend):
     supports_tree = False
 
     def __init__(self, gguf: str | Path | LlamaModel, threads: int | None = None, window: int = 4096, max_rows: int = 1,
-                 max_pass: int = 512):
+                 max_pass: int = 512, prefix_cache: bool = True, spare_cells: int | None = None):
+        """prefix_cache: keep finished rows' cells for later prompts, in up to `spare_cells` cells beyond the rows'
+        own (default: one window) and in as many spare sequences as 2 x max_rows (at least 4)."""
         self.model = gguf if isinstance(gguf, LlamaModel) else LlamaModel(gguf)
         self.vocab_size = self.model.vocab_size
         self.context_window = min(window, self.model.n_ctx_train) if self.model.n_ctx_train > 0 else window
         self.eos_token_ids = self.model.eos_token_ids
         self.max_rows, self.threads = max_rows, threads
-        self.context = Context(self.model, threads, self.context_window, max_rows, max_pass)
+        spares = max(4, 2 * max_rows) if prefix_cache else 0
+        # Spares are bounded by the cells llama.cpp finds free (it counts shared cells once); ids bound their number.
+        self.prefix_cache = PrefixCache(spares) if prefix_cache else None
+        cells = (self.context_window if spare_cells is None else spare_cells) if prefix_cache else 0
+        self.context = Context(self.model, threads, self.context_window, max_rows, max_pass, spares, cells)
+        self._seq_ids = max_rows + spares
         self._seqs: list[int] = []  # row -> sequence id
         self._reading: set[int] = set()  # sequence ids of rows being read (open_row), not yet joined
-        self._lengths: list[int] = []  # row -> cached positions
-        self._pending: list[int] | None = None  # widths of the pass not yet kept
+        self._tokens: list[list[int]] = []  # row -> the tokens its cells hold
+        self._pending: list[list[int]] | None = None  # row -> its inputs in the pass not yet kept
 
     @property
     def near_tie_gap(self) -> float:
@@ -206,21 +228,53 @@ class LlamaCppBackend(Backend):
         return len(self._seqs)
 
     def length(self, row: int) -> int:
-        return self._lengths[row]
+        return len(self._tokens[row])
 
-    def open_row(self) -> "LlamaRowReader":
-        free = set(range(self.max_rows)) - set(self._seqs) - self._reading
-        if not free:
+    def open_row(self, prompt: torch.Tensor | None = None) -> "LlamaRowReader":
+        if len(self._seqs) + len(self._reading) >= self.max_rows:
             raise BackendError(f"this llama.cpp context holds {self.max_rows} rows")
-        seq = min(free)
+        spares = self.prefix_cache.entries if self.prefix_cache is not None else {}
+        seq = min(set(range(self._seq_ids)) - set(self._seqs) - self._reading - set(spares))
         self._reading.add(seq)
-        return LlamaRowReader(self, seq)
+        if prompt is None or self.prefix_cache is None:
+            return LlamaRowReader(self, seq)
+        spare, shared = self.prefix_cache.find(prompt[0].numpy())
+        if spare is None:
+            return LlamaRowReader(self, seq)
+        self.context.share(spare, seq, shared)
+        return LlamaRowReader(self, seq, prompt[0, :shared].tolist())
+
+    def drop_cached_prefixes(self) -> None:
+        while self.prefix_cache is not None and (spare := self.prefix_cache.pop_oldest()) is not None:
+            self.context.forget(spare)
+
+    def _retire(self, seq: int, tokens: list[int]) -> None:
+        """A row's sequence left the batch: its cells stay as a spare for later prompts, or are freed."""
+        if self.prefix_cache is None or not tokens:
+            self.context.forget(seq)
+            return
+        self.context.forget(seq, len(tokens))  # cells of a pass that failed before `keep` hold no token of it
+        for freed in self.prefix_cache.add(seq, tokens):
+            self.context.forget(freed)
+
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> np.ndarray:
+        """A decode for which spares give up their cells, least recently used first, when it finds none free."""
+        while True:
+            try:
+                return self.context.decode(tokens, positions, seqs, logits)
+            except CacheFull:
+                spare = self.prefix_cache.pop_oldest() if self.prefix_cache is not None else None
+                if spare is None:
+                    raise
+                self.prefix_cache.stats.evicted_for_cells += 1
+                self.context.forget(spare)
 
     def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [1, n] to a row's cache -> the logits after the last [1, V] (only that position's output
         head is computed: a drafter catching up needs no other)."""
-        logits = self._read(self._seqs[row], self._lengths[row], tokens[0].tolist())
-        self._lengths[row] += tokens.shape[1]
+        new = tokens[0].tolist()
+        logits = self._read(self._seqs[row], len(self._tokens[row]), new)
+        self._tokens[row] += new
         return logits
 
     def _read(self, seq: int, start: int, tokens: list[int]) -> torch.Tensor:
@@ -232,7 +286,7 @@ class LlamaCppBackend(Backend):
                 chunk = tokens[offset : offset + step]
                 last = offset + len(chunk) == len(tokens)
                 positions = list(range(start + offset, start + offset + len(chunk)))
-                out = self.context.decode(chunk, positions, [seq] * len(chunk), [False] * (len(chunk) - 1) + [last])
+                out = self._decode(chunk, positions, [seq] * len(chunk), [False] * (len(chunk) - 1) + [last])
         except Exception:
             self.context.forget(seq, start)
             raise
@@ -242,14 +296,15 @@ class LlamaCppBackend(Backend):
         self.check_visibility(visibility)
         B, W = tokens.shape
         offsets = chain_offsets(B, W) if offsets is None else offsets
-        flat_tokens, positions, seqs = [], [], []
+        flat_tokens, positions, seqs, pending = [], [], [], []
         for row in range(B):
             n = widths[row]
-            flat_tokens += tokens[row, :n].tolist()
-            positions += (self._lengths[row] + offsets[row, :n]).tolist()
+            pending.append(tokens[row, :n].tolist())
+            flat_tokens += pending[-1]
+            positions += (len(self._tokens[row]) + offsets[row, :n]).tolist()
             seqs += [self._seqs[row]] * n
-        out = self.context.decode(flat_tokens, positions, seqs, [True] * len(flat_tokens))
-        self._pending = list(widths)
+        out = self._decode(flat_tokens, positions, seqs, [True] * len(flat_tokens))
+        self._pending = pending
         if B == 1 and widths[0] == W:  # no padding to fill: one copy out of llama.cpp's buffer
             return torch.from_numpy(out.copy()).view(1, W, self.vocab_size)
         logits = torch.zeros(B, W, self.vocab_size)
@@ -263,20 +318,18 @@ class LlamaCppBackend(Backend):
         for row, inputs in enumerate(kept):
             if inputs != list(range(len(inputs))):
                 raise BackendError("the llama.cpp backend keeps a prefix of each row's pass (no tree leaves)")
-            self._lengths[row] += len(inputs)
-            if len(inputs) < self._pending[row]:
-                self.context.forget(self._seqs[row], self._lengths[row])
+            fed = self._pending[row]
+            self._tokens[row] += fed[: len(inputs)]
+            if len(inputs) < len(fed):
+                self.context.forget(self._seqs[row], len(self._tokens[row]))
         self._pending = None
 
     def truncate(self, row: int, length: int) -> None:
-        if length < self._lengths[row]:
+        if length < len(self._tokens[row]):
             self.context.forget(self._seqs[row], length)
-            self._lengths[row] = length
+            del self._tokens[row][length:]
 
     def remove_rows(self, rows: list[int]) -> None:
         for row in sorted(set(rows), reverse=True):
-            self.context.forget(self._seqs[row])
-            del self._seqs[row], self._lengths[row]
-
-    def set_threads(self, threads: int) -> None:
-        self.context.set_threads(threads)
+            self._retire(self._seqs[row], self._tokens[row])
+            del self._seqs[row], self._tokens[row]

@@ -9,6 +9,8 @@ which slots are live (`mask`):
   cache, rows are compacted;
 - a new row is prefilled alone and joins by left-padding (its cache or the batch's) to a common length;
   rows leave with `batch_select_indices`.
+A leaving row's live K/V are kept (the prefix cache, bounded in tokens): a new row whose prompt shares a prefix
+with one starts its own cache from a copy of that prefix and reads only the rest.
 A row alone takes the model's own causal path (no mask), so one request decodes exactly as transformers does.
 """
 
@@ -19,6 +21,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .base import Backend, RowReader, chain_offsets
+from .prefix import PrefixCache
+
+PREFIX_CACHE_TOKENS = 8192  # K/V of finished rows kept for later prompts (Qwen 1.5B in bf16: 28 kB a token)
+PREFIX_CACHE_ENTRIES = 8
 
 
 def target_logits(model, tokens: torch.Tensor, cache: DynamicCache, last_only: bool = False, **kwargs) -> torch.Tensor:
@@ -50,20 +56,27 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class TorchRowReader(RowReader):
     """A row read into a cache of its own; joining left-pads it beside the batch's rows."""
 
-    def __init__(self, backend: "TorchBackend"):
+    def __init__(self, backend: "TorchBackend", prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 tokens: list[int] | None = None):
         self.backend = backend
         self.cache = DynamicCache(config=backend.model.config)
+        self.tokens = tokens or []  # what its cache holds
+        self.cached = len(self.tokens)
+        for layer, (keys, values) in enumerate(prefix or []):  # a copy: the entry stays for other prompts
+            self.cache.update(keys[None, :, : self.cached].clone(), values[None, :, : self.cached].clone(), layer)
 
     def read(self, tokens: torch.Tensor) -> torch.Tensor:
         before = self.cache.get_seq_length()
         try:
-            return target_logits(self.backend.model, tokens, self.cache, last_only=True)[:, -1]
+            logits = target_logits(self.backend.model, tokens, self.cache, last_only=True)[:, -1]
         except BaseException:
             rollback(self.cache, before)
             raise
+        self.tokens += tokens[0].tolist()
+        return logits
 
     def join(self) -> None:
-        self.backend._join(self.cache)
+        self.backend._join(self.cache, self.tokens)
         self.cache = None
 
     def discard(self) -> None:
@@ -81,7 +94,7 @@ class TorchBackend(Backend):
     name = "torch"
     supports_tree = True
 
-    def __init__(self, model, compact_above: float = 0.5):
+    def __init__(self, model, compact_above: float = 0.5, prefix_cache: bool = True):
         self.model = model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_window = getattr(model.config, "max_position_embeddings", None)
@@ -89,11 +102,19 @@ class TorchBackend(Backend):
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         layers = DynamicCache(config=model.config).layers
         # Rows side by side need left padding and holes, which a sliding-window layer cannot hold.
-        self.max_rows = 1 if any(type(layer) is not DynamicLayer for layer in layers) else None
+        full_attention = all(type(layer) is DynamicLayer for layer in layers)
+        self.max_rows = None if full_attention else 1
         self.compact_above = compact_above
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, T] bool: which cache slots each row attends
         self._pass_start: int | None = None  # the cache's length before the pending pass
+        self._tokens: list[list[int]] = []  # row -> the tokens its live slots hold, in order
+        self._pending: list[list[int]] | None = None  # row -> its inputs in the pass not yet kept
+        # A sliding-window layer's cache is not a prefix of positions: only full-attention models cache prefixes.
+        use_cache = prefix_cache and full_attention
+        self.prefix_cache = PrefixCache(PREFIX_CACHE_ENTRIES, PREFIX_CACHE_TOKENS) if use_cache else None
+        self._prefixes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # entry -> per layer [H, n, D] K, V
+        self._next_entry = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,14 +136,42 @@ class TorchBackend(Backend):
     def length(self, row: int) -> int:
         return int(self.mask[row].sum())
 
-    def open_row(self) -> "TorchRowReader":
-        return TorchRowReader(self)
+    def open_row(self, prompt: torch.Tensor | None = None) -> "TorchRowReader":
+        if prompt is None or self.prefix_cache is None:
+            return TorchRowReader(self)
+        entry, shared = self.prefix_cache.find(prompt[0].numpy())
+        if entry is None:
+            return TorchRowReader(self)
+        return TorchRowReader(self, self._prefixes[entry], prompt[0, :shared].tolist())
+
+    def drop_cached_prefixes(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.entries.clear()
+            self._prefixes.clear()
+
+    def _retire(self, rows: list[int]) -> None:
+        """Leaving rows' live K/V go to the prefix cache (a copy: the batch's tensors are about to shrink)."""
+        if self.prefix_cache is None:
+            return
+        for row in rows:
+            tokens = self._tokens[row]
+            if not tokens:
+                continue
+            key, self._next_entry = self._next_entry, self._next_entry + 1
+            freed = self.prefix_cache.add(key, tokens)
+            if key not in freed:
+                slots = self.mask[row].nonzero().flatten().to(self.model.device)
+                self._prefixes[key] = [(layer.keys[row].index_select(1, slots), layer.values[row].index_select(1, slots))
+                                       for layer in self.cache.layers]
+            for old in freed:
+                self._prefixes.pop(old, None)
 
     def forward(self, tokens, widths, offsets=None, visibility=None):
         self.check_visibility(visibility)
         B, W = tokens.shape
         T = self.mask.shape[1]
         self._pass_start = T
+        self._pending = [tokens[row, : widths[row]].tolist() for row in range(B)]
         if B == 1 and visibility is None and bool(self.mask.all()):  # the model's own path
             return target_logits(self.model, tokens[:, : widths[0]], self.cache)
         offsets = chain_offsets(B, W) if offsets is None else offsets
@@ -144,6 +193,7 @@ class TorchBackend(Backend):
     def keep(self, kept: list[list[int]]) -> None:
         T, self._pass_start = self._pass_start, None
         for row, inputs in enumerate(kept):
+            self._tokens[row] += [self._pending[row][src] for src in inputs]
             for slot, src in enumerate(inputs):
                 if src != slot:  # a leaf's K/V (which carry their rotary position, the slot's) move to the slot
                     for layer in self.cache.layers:
@@ -159,6 +209,7 @@ class TorchBackend(Backend):
     def truncate(self, row: int, length: int) -> None:
         live = self.mask[row].nonzero().flatten()
         self.mask[row, live[length:]] = False
+        del self._tokens[row][length:]
         used = self.mask.any(0).nonzero()
         end = int(used[-1]) + 1 if len(used) else 0
         rollback(self.cache, end)
@@ -166,10 +217,12 @@ class TorchBackend(Backend):
 
     def remove_rows(self, rows: list[int]) -> None:
         stay = [i for i in range(self.rows) if i not in set(rows)]
+        if len(stay) == self.rows:
+            return
+        self._retire([i for i in range(self.rows) if i not in stay])
+        self._tokens = [self._tokens[i] for i in stay]
         if not stay:
             self.cache = self.mask = None
-            return
-        if len(stay) == self.rows:
             return
         self.cache.batch_select_indices(torch.tensor(stay, device=self.model.device))
         self.mask = self.mask[stay]
@@ -178,8 +231,9 @@ class TorchBackend(Backend):
         if first_live:
             self._keep_slots(torch.arange(first_live, self.mask.shape[1]).expand(len(stay), -1))
 
-    def _join(self, cache: DynamicCache) -> None:
+    def _join(self, cache: DynamicCache, tokens: list[int]) -> None:
         length = cache.get_seq_length()
+        self._tokens.append(tokens)
         if self.cache is None:
             self.cache, self.mask = cache, torch.ones(1, length, dtype=torch.bool)
             return

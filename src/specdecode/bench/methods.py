@@ -55,6 +55,7 @@ class OursMethod(Method):
         self.settings = dict(drafter=drafter.name if drafter else None, k=k if drafter else None, adaptive=adaptive)
 
     def run(self, input_ids, max_new_tokens, sampling):
+        self.engine.backend.drop_cached_prefixes()  # every method starts each prompt cold
         result = self.engine.generate(
             input_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=StopCondition(self.eos)
         ).result()

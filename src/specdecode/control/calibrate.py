@@ -45,6 +45,7 @@ def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
                 passes[width] = min(seconds, passes.get(width, seconds))
     finally:
         backend.remove_rows([backend.rows - 1])
+        backend.drop_cached_prefixes()  # the scratch row is no prompt anyone will send (it is read at load)
     controller.rows_changed()
     if drafter is not None:
         measured.update(_calibrate_drafter(controller, drafter, prompt))

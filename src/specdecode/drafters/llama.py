@@ -11,7 +11,8 @@ from .model import common_prefix_len
 
 
 class LlamaDrafter(Drafter):
-    """Drafts token by token on a one-row llama.cpp backend; its cache follows the committed tokens by
+    """Drafts token by token on a one-row llama.cpp backend (best without a prefix cache: a draft reads a prompt only
+    where drafting pays, and benchmarks must not find it warm); its cache follows the committed tokens by
     truncation (`Backend.keep` of the common prefix). Deterministic drafts when greedy; with sampling each token
     is drawn from the draft's processed distribution q, which goes with the draft (lossless rule)."""
 
@@ -23,7 +24,7 @@ class LlamaDrafter(Drafter):
     def spawn(self) -> "LlamaDrafter":
         """Another sequence: a context of its own on the same loaded weights."""
         backend = self.backend
-        twin = LlamaCppBackend(backend.model, threads=backend.threads, window=backend.context_window)
+        twin = LlamaCppBackend(backend.model, threads=backend.threads, window=backend.context_window, prefix_cache=False)
         return LlamaDrafter(twin, self.name, self.tokenizer)
 
     def reset(self) -> None:

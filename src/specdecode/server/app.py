@@ -256,7 +256,8 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
 
     def usage() -> dict:
         n = len(handle.seq.result.token_ids)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": handle.seq.stats.cached_prompt_tokens}}
 
     def choice(text: str | None, finish: str | None, entries, stream: bool) -> dict:
         lp = logprobs_of(entries) if logprobs_of is not None and (entries or not stream) else None

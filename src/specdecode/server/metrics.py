@@ -15,6 +15,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("specdecode_requests", "Requests answered, by endpoint and HTTP status", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "specdecode_prompt_tokens_cached", "Prompt tokens served from the prefix cache (not read again)", registry=r)
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=r)
         self.queue_length = Gauge("specdecode_queue_length", "Requests waiting to join the batch", registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Rows in the last verify pass", registry=r)
@@ -56,6 +58,8 @@ class Metrics:
             self.draft_seconds.observe(report.draft_s)
             self.verify_seconds.observe(report.verify_s)
             self.step_seconds.labels(str(report.rows)).observe(report.step_s)
+        if report.cached_tokens:
+            self.cached_prompt_tokens.inc(report.cached_tokens)
         if report.admitted:
             self.admit_seconds.observe(report.admit_s)
         self.draft_tokens.inc(report.drafted)

@@ -1,0 +1,194 @@
+"""The prompt-prefix cache: a row started from a cached prefix (a finished row's K/V, shared on llama.cpp, copied on
+torch) decodes exactly what a cold row decodes — the next turn of a chat, a prefix that ends inside the chat template,
+a cache under memory pressure, a prefix evicted while the prompt after it is still being read."""
+
+import pytest
+import torch
+
+from specdecode import ModelDrafter, NgramDrafter, SpeculativeEngine
+from specdecode.backends import prefix
+from specdecode.backends.prefix import PrefixCache
+from specdecode.backends.torchmodel import TorchBackend
+from specdecode.batch import BatchEngine
+from specdecode.check import first_difference, top2_gap
+from tiny import random_prompt
+
+
+def test_the_longest_shared_prefix_serves_and_the_least_recent_goes(monkeypatch):
+    cache = PrefixCache(max_entries=2, max_tokens=10)
+    monkeypatch.setattr(prefix, "MIN_SHARED", 2)
+    assert cache.add("a", [1, 2, 3, 4]) == []
+    assert cache.add("b", [1, 2, 9]) == []
+    assert cache.find([1, 2, 3, 4, 5]) == ("a", 4)
+    assert cache.find([1, 2, 3, 4]) == ("a", 3)  # the prompt's last token is always read (its logits are wanted)
+    assert cache.find([1, 7, 8]) == (None, 0)  # too short a prefix to serve
+    assert cache.add("c", [5, 6]) == ["b"]  # "a" was used last
+    assert cache.add("d", [1, 2, 3, 4, 5, 6]) == ["a"]  # it extends "a": "a" is redundant, not evicted
+    assert cache.add("e", [1, 2, 3]) == ["e"]  # "d" holds it already
+    assert cache.add("f", list(range(11))) == ["f"]  # longer than the whole cache
+    assert cache.add("g", [8, 8, 8]) == ["c"]  # a third entry: the least recent goes
+    assert cache.add("h", [7, 7, 7, 7, 7, 7, 7, 7]) == ["d", "g"]  # then tokens: 6 + 3 + 8 > 10
+    assert list(cache.entries) == ["h"] and cache.tokens == 8
+    assert cache.stats.hits == 2 and cache.stats.cached_tokens == 7 and cache.stats.lookups == 3
+    assert cache.stats.evictions == 4  # b, c, d, g (a was redundant, e and f never held)
+
+
+@pytest.mark.parametrize("drafter", ["none", "near", "ngram"])
+def test_torch_chat_turns_from_cached_prefixes_equal_cold_rows(target, near_draft, drafter):
+    """Two chats in turns (each re-sends its history, the answer and a new user turn), then a prompt seen before."""
+    make = {"none": lambda: None, "near": lambda: ModelDrafter(near_draft), "ngram": NgramDrafter}[drafter]
+    cold = BatchEngine(TorchBackend(target, prefix_cache=False), make(), k=4, max_batch=3)
+    warm = BatchEngine(TorchBackend(target), make(), k=4, max_batch=3)
+    histories = [random_prompt(1, 20), random_prompt(2, 25)]
+    results, cached = [], []
+    for turn in range(3):
+        for chat_id, history in enumerate(histories):
+            seq, = warm.generate_all([dict(input_ids=history, max_new_tokens=16)])
+            reference, = cold.generate_all([dict(input_ids=history, max_new_tokens=16)])
+            assert seq.result.token_ids == reference.result.token_ids, f"turn {turn}, chat {chat_id}"
+            results.append(seq)
+            cached.append(seq.stats.cached_prompt_tokens)
+            # the cache held everything but the last answer token: that one and the new user turn are read
+            assert seq.stats.cached_prompt_tokens == (0 if turn == 0 else history.shape[1] - 7)
+            histories[chat_id] = torch.cat([history, torch.tensor([seq.result.token_ids]), random_prompt(turn, 6)], 1)
+    again, = warm.generate_all([dict(input_ids=random_prompt(1, 20), max_new_tokens=16)])
+    assert again.stats.cached_prompt_tokens == 19 and again.result.token_ids == results[0].result.token_ids
+    if drafter != "none":
+        assert sum(s.stats.drafted_tokens for s in results) > 0
+
+
+def test_torch_prefix_cache_is_bounded_in_tokens(target):
+    backend = TorchBackend(target)
+    backend.prefix_cache.max_tokens = 100
+    engine = SpeculativeEngine(backend, None)
+    for seed in range(6):
+        engine.generate(random_prompt(seed, 40), max_new_tokens=8).result()
+    assert backend.prefix_cache.tokens <= 100 and backend.prefix_cache.stats.evictions >= 4
+    assert set(backend._prefixes) == set(backend.prefix_cache.entries)  # evicted K/V are freed
+
+
+# --- llama.cpp: cells shared between sequences ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol():
+    from specdecode.backends.llamacpp import LlamaModel
+    from specdecode.models import BUILTINS, builtin_gguf, load_tokenizer
+
+    return LlamaModel(builtin_gguf(BUILTINS["smollm2-135m"])), load_tokenizer("smollm2-135m")
+
+
+def assert_llama_cpps_own(backend, prompt: torch.Tensor, got: list[int], expected: list[int]) -> None:
+    """Equal, or apart from a near-tie on: cached K/V come from the passes that made them (a one-token pass runs other
+    kernels than a prompt's reading), so at a top-2 gap below the backend's near_tie_gap either token may win."""
+    diff = first_difference(got, expected)
+    if diff is not None:
+        gap = top2_gap(backend, torch.cat([prompt, torch.tensor([expected[:diff]], dtype=torch.long)], 1))
+        assert gap < backend.near_tie_gap, f"differs at token {diff}, top-2 gap {gap:.3g}: not a near-tie"
+
+
+def chat(tokenizer, messages) -> torch.Tensor:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
+
+
+def test_llama_cpp_chat_turns_read_only_what_is_new(smol):
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, tokenizer = smol
+    cold = SpeculativeEngine(LlamaCppBackend(model, threads=2, prefix_cache=False), NgramDrafter(), k=4)
+    backend = LlamaCppBackend(model, threads=2)
+    warm = SpeculativeEngine(backend, NgramDrafter(), k=4)
+    first = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    answer = warm.generate(chat(tokenizer, first), max_new_tokens=24).result()
+    assert answer.stats.cached_prompt_tokens == 0
+    turns = [
+        # the next turn: the history re-sent through the template (the answer's end and the new turn's start are
+        # template tokens the cache never held)
+        first + [{"role": "assistant", "content": tokenizer.decode(answer.token_ids, skip_special_tokens=True)},
+                 {"role": "user", "content": "Now make it multiply."}],
+        # another question: the shared prefix ends inside the template, in the user turn's header
+        [{"role": "user", "content": "Name three colours."}],
+    ]
+    for messages in turns:
+        prompt = chat(tokenizer, messages)
+        entries = {key: held.copy() for key, held in backend.prefix_cache.entries.items()}
+        shared = max(int((torch.tensor(held[: prompt.shape[1]]) == prompt[0, : len(held)]).cumprod(0).sum())
+                     for held in entries.values())
+        result = warm.generate(prompt, max_new_tokens=24).result()
+        assert result.stats.cached_prompt_tokens == shared >= prefix.MIN_SHARED
+        expected = cold.generate(prompt, max_new_tokens=24).result().token_ids
+        assert_llama_cpps_own(cold.backend, prompt, result.token_ids, expected)
+    assert backend.prefix_cache.stats.hits == 2
+
+
+def test_a_prefix_shared_one_token_too_far_is_caught(smol, monkeypatch):
+    """Mutation: the shared prefix runs one token too far (the new row gets the cell of a token its prompt does not
+    have there). The output check above must fail on it."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, tokenizer = smol
+    real = prefix.common_prefix
+    monkeypatch.setattr(prefix, "common_prefix", lambda a, b: min(real(a, b) + 1, len(a), len(b)))
+    cold = SpeculativeEngine(LlamaCppBackend(model, threads=2, prefix_cache=False), None)
+    warm = SpeculativeEngine(LlamaCppBackend(model, threads=2), None)
+    count = ", ".join(str(i) for i in range(1, 30))
+    warm.generate(tokenizer(f"Counting: {count}, ", return_tensors="pt").input_ids, max_new_tokens=4).result()
+    prompt = tokenizer(f"Counting: {count.replace('29', '70')}, 71, ", return_tensors="pt").input_ids
+    result = warm.generate(prompt, max_new_tokens=8).result()
+    assert result.stats.cached_prompt_tokens > 0
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        assert_llama_cpps_own(cold.backend, prompt, result.token_ids, cold.generate(prompt, max_new_tokens=8).result().token_ids)
+
+
+def test_llama_cpp_spares_give_way_under_memory_pressure(smol):
+    """Few cells: finished rows' spares must be evicted for the rows that run, and the answers stay the same."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+    from specdecode.prompts import load_prompts
+
+    model, tokenizer = smol
+    backend = LlamaCppBackend(model, threads=2, window=384, max_rows=2, spare_cells=0)
+    cells = model.lib.llama_n_ctx(backend.context.ctx)
+    cold = BatchEngine(LlamaCppBackend(model, threads=2, window=384, max_rows=2, prefix_cache=False), NgramDrafter(),
+                       k=4, max_batch=2)
+    warm = BatchEngine(backend, NgramDrafter(), k=4, max_batch=2)
+    prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts("edits")[:6]]
+    requests = [dict(input_ids=p, max_new_tokens=16) for p in prompts]
+    assert sum(p.shape[1] + 16 for p in prompts) > cells  # the spares cannot all stay
+    expected = [s.result.token_ids for s in cold.generate_all(requests)]
+    for prompt, seq, reference in zip(prompts, warm.generate_all(requests), expected):
+        assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids, reference)
+    assert backend.prefix_cache.stats.evicted_for_cells > 0
+    again, = warm.generate_all(requests[-1:])  # the most recent spare survived
+    assert again.stats.cached_prompt_tokens == prompts[-1].shape[1] - 1
+    assert_llama_cpps_own(cold.backend, prompts[-1], again.result.token_ids, expected[-1])
+
+
+@pytest.mark.parametrize("which", ["llama.cpp", "torch"])
+def test_a_prefix_evicted_while_the_prompt_is_read_changes_nothing(smol, target, which):
+    """The row that started from a spare keeps its cells when the spare is dropped mid-admission."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    if which == "llama.cpp":
+        model, _ = smol
+        make, vocab = (lambda cache: LlamaCppBackend(model, threads=2, max_rows=2, prefix_cache=cache)), 49152
+    else:
+        make, vocab = (lambda cache: TorchBackend(target, prefix_cache=cache)), 96
+    shared = random_prompt(3, 40, vocab)
+    later = torch.cat([shared, random_prompt(4, 60, vocab)], 1)
+    cold = make(False)
+    expected = SpeculativeEngine(cold, None).generate(later, max_new_tokens=12).result().token_ids
+    backend = make(True)
+    engine = BatchEngine(backend, None, max_batch=2, prefill_chunk=8)
+    engine.generate_all([dict(input_ids=shared, max_new_tokens=4)])
+    running = engine.submit(random_prompt(5, 5, vocab), max_new_tokens=40)
+    engine.step()
+    seq = engine.submit(later, max_new_tokens=12)
+    engine.step()  # opens its row from the cached prefix and reads one chunk
+    assert seq.stats.cached_prompt_tokens == 40 and seq.prompt_read < later.shape[1]
+    backend.drop_cached_prefixes()
+    while engine.has_work:
+        engine.step()
+    if which == "llama.cpp":
+        assert_llama_cpps_own(cold, later, seq.result.token_ids, expected)
+    else:
+        assert seq.result.token_ids == expected
+    assert running.result.finish_reason == "length"
