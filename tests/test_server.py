@@ -212,6 +212,33 @@ def test_load_benchmark_against_two_endpoints(server, tmp_path):
     assert (out / "load.png").stat().st_size > 0 and "| a | 3 |" in (out / "load.md").read_text()
 
 
+def test_chat_traffic_resends_the_history_and_the_server_serves_it_from_cache(server, tmp_path):
+    """`--traffic chat`: each turn re-sends the conversation so far (with the answers), TTFT is reported by turn, and
+    the server reads the history from its prefix cache, not again (/metrics and usage say how many tokens)."""
+    from specdecode.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20\nw9 w8 w7 w6\nw20 w30\n")
+    out = tmp_path / "chat"
+    cached_before = metric(server, "specdecode_prompt_tokens_cached_total")
+    assert main(["bench", "--endpoint", f"a={server.url}", "--traffic", "chat", "--turns", "3", "--concurrency", "1",
+                 "--requests", "2", "--rounds", "1", "--max-new-tokens", "6", "--prompts", str(prompts),
+                 "--out", str(out)]) == 0
+    import json
+
+    row, = json.loads((out / "load.json").read_text())["rows"]
+    assert row["requests"] == 6 and row["errors"] == 0 and row["turns"] == 3
+    assert [r["turn"] for r in row["raw"]] == [0, 1, 2, 0, 1, 2]
+    assert len(row["ttft_p50_by_turn"]) == 3 and "turn 3" in (out / "load.md").read_text()
+    # turns 2 and 3 of two conversations: at least the 18-token first prompt each time
+    assert metric(server, "specdecode_prompt_tokens_cached_total") - cached_before >= 4 * 16
+    history = [{"role": "user", "content": " ".join(f"w{i}" for i in range(60, 40, -1))}]  # a new conversation
+    first = server.client().chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "w5"}]
+    second = server.client().chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < 16 <= second.usage.prompt_tokens_details.cached_tokens
+
+
 def test_load_benchmark_counts_errors(tmp_path):
     from specdecode.bench.load import run_load
 
@@ -257,7 +284,7 @@ def test_load_rounds_reverse_the_endpoint_order(monkeypatch):
 
     async def fake_level(url, *args):
         seen.append(url)
-        firsts.append(args[-1])
+        firsts.append(args[-2])  # run_level(url, model, prompts, concurrency, ..., first, turns)
         return load.LevelResult(url, args[2], 1.0, [load.RequestResult(ok=True, latency_s=1.0, completion_tokens=5)])
 
     monkeypatch.setattr(load, "run_level", fake_level)

@@ -1,7 +1,12 @@
 """Load benchmark of any OpenAI-compatible server: concurrent streaming chat requests at several
 concurrency levels; time to first token, inter-token latency, request latency, output tokens/s, errors.
 
-Bounded: at most `requests` requests per level and round, and no new request starts after `time_limit` seconds.
+Traffic: fresh prompts (each request a new prompt), chat (each client holds a conversation of `turns` turns, every
+turn re-sending the history, its answers and a new user turn: TTFT by turn shows whether a server re-reads the
+history), or agent (requests sharing one long prefix, a file, each asking for an edit of a part of it).
+
+Bounded: at most `requests` requests (chat: conversations) per level and round, and no new request starts after
+`time_limit` seconds.
 Several endpoints are measured level by level, one after the other; with rounds = 2 (the default) each level runs
 them in order and then in reverse order and pools both, so no endpoint always runs right after a heavy one.
 """
@@ -23,6 +28,7 @@ class RequestResult:
     completion_tokens: int = 0
     itl_s: float = 0.0  # mean inter-token latency after the first token
     error: str = ""
+    turn: int = 0  # of its conversation (chat traffic), from 0
 
 
 @dataclass
@@ -40,7 +46,10 @@ class LevelResult:
             return float(np.percentile(values, q)) if values else None
 
         lat, ttft, itl = [r.latency_s for r in ok], [r.ttft_s for r in ok], [r.itl_s for r in ok if r.completion_tokens > 1]
+        turns = max((r.turn for r in self.requests), default=0) + 1
+        ttft_by_turn = [pct([r.ttft_s for r in ok if r.turn == t], 50) for t in range(turns)]
         return dict(
+            turns=turns, ttft_p50_by_turn=ttft_by_turn,
             endpoint=self.endpoint, concurrency=self.concurrency, requests=len(self.requests), errors=len(self.requests) - len(ok),
             output_tokens=tokens, wall_s=self.wall_s, output_tokens_per_s=tokens / self.wall_s if self.wall_s else 0.0,
             latency_p50=pct(lat, 50), latency_p90=pct(lat, 90), latency_p99=pct(lat, 99),
@@ -48,10 +57,19 @@ class LevelResult:
         )
 
 
-async def _one(client, model: str, messages: list[dict], max_tokens: int, temperature: float) -> RequestResult:
+def agent_requests(texts: list[str]) -> list[list[dict]]:
+    """Requests that share a long prefix: every prompt's code as one file, then one prompt (its instruction and the
+    part of the file it is about), as an agent re-sending its context with each edit request does."""
+    code = [text.partition("\n\n")[2] or text for text in texts]
+    shared = "Here is a file of our project.\n\n" + "\n\n".join(code)
+    return [[{"role": "user", "content": f"{shared}\n\n{text}"}] for text in texts]
+
+
+async def _one(client, model: str, messages: list[dict], max_tokens: int, temperature: float) -> tuple[RequestResult, str]:
     start = time.perf_counter()
     first = last = None
     pieces = tokens = 0
+    text = []
     try:
         stream = await client.chat.completions.create(
             model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, stream=True,
@@ -63,19 +81,23 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, temper
                 first = first or now
                 last = now
                 pieces += 1
+                text.append(chunk.choices[0].delta.content)
             if getattr(chunk, "usage", None):
                 tokens = chunk.usage.completion_tokens
     except Exception as error:  # counted, not raised: a load test reports errors
-        return RequestResult(ok=False, latency_s=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"[:300])
+        return RequestResult(ok=False, latency_s=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"[:300]), ""
     end = time.perf_counter()
     tokens = tokens or pieces  # servers that do not report usage: count streamed pieces
     itl = (last - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0
-    return RequestResult(ok=True, ttft_s=(first or end) - start, latency_s=end - start, completion_tokens=tokens, itl_s=itl)
+    result = RequestResult(ok=True, ttft_s=(first or end) - start, latency_s=end - start, completion_tokens=tokens, itl_s=itl)
+    return result, "".join(text)
 
 
 async def run_level(url: str, model: str | None, prompts: list[list[dict]], concurrency: int, requests: int,
-                    max_tokens: int, temperature: float, time_limit: float, progress=None, first: int = 0) -> LevelResult:
-    """`requests` requests, `concurrency` at a time, on prompts[first], prompts[first + 1], ... (cycling)."""
+                    max_tokens: int, temperature: float, time_limit: float, progress=None, first: int = 0,
+                    turns: int = 1) -> LevelResult:
+    """`requests` requests, `concurrency` at a time, on prompts[first], prompts[first + 1], ... (cycling). turns > 1:
+    each is a conversation; turn t re-sends the history with its answers and the user turn of the t-th next prompt."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=max(60.0, time_limit * 2))
@@ -88,9 +110,17 @@ async def run_level(url: str, model: str | None, prompts: list[list[dict]], conc
     async def worker():
         while queue and time.perf_counter() - start < time_limit:
             i = queue.pop(0)
-            results.append(await _one(client, model, prompts[(first + i) % len(prompts)], max_tokens, temperature))
-            if progress:
-                progress(1)
+            messages = list(prompts[(first + i) % len(prompts)])
+            for turn in range(turns):
+                result, answer = await _one(client, model, messages, max_tokens, temperature)
+                result.turn = turn
+                results.append(result)
+                if progress:
+                    progress(1)
+                if not result.ok:
+                    break
+                messages += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": prompts[(first + i + turn + 1) % len(prompts)][-1]["content"]}]
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
@@ -100,7 +130,7 @@ async def run_level(url: str, model: str | None, prompts: list[list[dict]], conc
 
 def run_load(endpoints: dict[str, str], prompts: list[list[dict]], concurrency: list[int], requests: int, max_tokens: int,
              temperature: float = 0.0, time_limit: float = 600.0, model: str | None = None, progress=None,
-             rounds: int = 2) -> list[dict]:
+             rounds: int = 2, turns: int = 1) -> list[dict]:
     """For each concurrency level, each endpoint in turn (reversed on every other round); returns one summary dict
     per (endpoint, level) over all its rounds. Every endpoint gets the same prompts at a level and round; each level
     and round moves on to the next prompts, so with enough of them no request repeats an earlier one (a server's
@@ -113,7 +143,7 @@ def run_load(endpoints: dict[str, str], prompts: list[list[dict]], concurrency: 
             first = (li * rounds + r) * requests
             for label in order:
                 per_round[label].append(asyncio.run(run_level(endpoints[label], model, prompts, c, requests, max_tokens,
-                                                              temperature, time_limit, progress, first)))
+                                                              temperature, time_limit, progress, first, turns)))
         rows += [pooled_row(label, levels) for label, levels in per_round.items()]
     return rows
 
@@ -172,6 +202,15 @@ def load_markdown(rows: list[dict], command: str) -> str:
             f"{spread(r.get('round_tokens_per_s'))} | {f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
             f"{f(r['itl_p50'], 1000, 0)} |"
         )
+    chats = [r for r in rows if r.get("turns", 1) > 1]
+    if chats:
+        turns = max(r["turns"] for r in chats)
+        lines += ["", "Conversations: time to first token by turn (p50, s); every turn re-sends the whole history.", "",
+                  "| endpoint | concurrency | " + " | ".join(f"turn {t + 1}" for t in range(turns)) + " |",
+                  "|---|---:|" + "---:|" * turns]
+        for r in chats:
+            by_turn = [f(x) for x in r["ttft_p50_by_turn"]] + ["-"] * (turns - r["turns"])
+            lines.append(f"| {r['label']} | {r['concurrency']} | " + " | ".join(by_turn) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -60,7 +60,11 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
                    help="load-benchmark a running OpenAI-compatible server instead (repeatable: measured level by level)")
     b.add_argument("--concurrency", default="1,4,8", help="with --endpoint: concurrent clients per level")
-    b.add_argument("--requests", type=int, default=8, help="with --endpoint: requests per level and round")
+    b.add_argument("--requests", type=int, default=8, help="with --endpoint: requests (chat: conversations) per level and round")
+    b.add_argument("--traffic", choices=("fresh", "chat", "agent"), default="fresh",
+                   help="with --endpoint: fresh prompts; chat: conversations of --turns turns, each re-sending the "
+                        "history; agent: requests sharing one long prefix (the prompts' code as one file)")
+    b.add_argument("--turns", type=int, default=4, help="with --traffic chat: turns per conversation")
     b.add_argument("--rounds", type=int, default=2,
                    help="with --endpoint: rounds per level, endpoint order reversed every other round (pooled)")
     b.add_argument("--time-limit", type=float, default=600.0, help="with --endpoint: no new request after this many seconds per level")

@@ -14,7 +14,7 @@ def cmd_load_bench(args) -> int:
     """`bench --endpoint URL ...`: drive running OpenAI-compatible servers instead of loading models."""
     from tqdm import tqdm
 
-    from ..bench.load import run_load
+    from ..bench.load import agent_requests, run_load
 
     endpoints = {}
     for i, spec in enumerate(args.endpoint):
@@ -23,12 +23,14 @@ def cmd_load_bench(args) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels) or args.requests < 1:
         raise ValueError("--concurrency levels and --requests must be >= 1")
-    prompts = [[{"role": "user", "content": p.text}] for p in _load_prompts(args)]
-    if args.rounds < 1:
-        raise ValueError("--rounds must be >= 1")
-    with tqdm(total=len(levels) * len(endpoints) * args.requests * args.rounds, desc="load", unit="req") as bar:
+    texts = [p.text for p in _load_prompts(args)]
+    prompts = agent_requests(texts) if args.traffic == "agent" else [[{"role": "user", "content": t}] for t in texts]
+    if args.rounds < 1 or args.turns < 1:
+        raise ValueError("--rounds and --turns must be >= 1")
+    turns = args.turns if args.traffic == "chat" else 1
+    with tqdm(total=len(levels) * len(endpoints) * args.requests * args.rounds * turns, desc="load", unit="req") as bar:
         rows = run_load(endpoints, prompts, levels, args.requests, args.max_new_tokens, args.temperature,
-                        args.time_limit, args.model, progress=bar.update, rounds=args.rounds)
+                        args.time_limit, args.model, progress=bar.update, rounds=args.rounds, turns=turns)
     return _write_load_report(rows, endpoints, Path(args.out))
 
 
