@@ -4,7 +4,8 @@
 # its draft-model speculation (draft-simple, the same 0.5B GGUF) and with its ngram-mod lookup, then ours (auto,
 # load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them.
 # Needs the tools of scripts/build-llama-server.sh. Not part of CI.
-# Usage: scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
+# Usage: [SERVERS="llama-server specdecode"] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
+# e.g. conversations: ... bench-out/chat 1 --traffic chat --turns 4 --concurrency 1 --requests 3 --prompts edits
 set -euo pipefail
 OUT=${1:-bench-out/llama-server}; shift || true
 ROUNDS=${1:-1}; shift || true
@@ -24,14 +25,15 @@ declare -A SERVERS=(
   [llama-server-ngram-mod]="${LLAMA[*]} --spec-type ngram-mod"
   [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level warning --port $PORT"
 )
+NAMES=${SERVERS:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # which, in the first round's order
 PID=
 trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null || true' EXIT
 rm -rf "$OUT/runs"
 mkdir -p "$OUT/runs"
 RUNS=()
 for round in $(seq 1 "$ROUNDS"); do
-  order=(llama-server llama-server-draft llama-server-ngram-mod specdecode)
-  (( round % 2 == 0 )) && order=(specdecode llama-server-ngram-mod llama-server-draft llama-server)
+  read -r -a order <<< "$NAMES"
+  (( round % 2 == 0 )) && for ((i = 0, j = ${#order[@]} - 1; i < j; i++, j--)); do t=${order[i]}; order[i]=${order[j]}; order[j]=$t; done
   for name in "${order[@]}"; do
     # shellcheck disable=SC2086
     ${SERVERS[$name]} > "$OUT/runs/$name-r$round.log" 2>&1 &
