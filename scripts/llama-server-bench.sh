@@ -4,7 +4,7 @@
 # its draft-model speculation (draft-simple, the same 0.5B GGUF) and with its ngram-mod lookup, then ours (auto,
 # load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them.
 # Needs the tools of scripts/build-llama-server.sh. Not part of CI.
-# Usage: [SERVERS="llama-server specdecode"] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
+# Usage: [ONLY="llama-server specdecode"] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
 # e.g. conversations: ... bench-out/chat 1 --traffic chat --turns 4 --concurrency 1 --requests 3 --prompts edits
 set -euo pipefail
 OUT=${1:-bench-out/llama-server}; shift || true
@@ -25,7 +25,7 @@ declare -A SERVERS=(
   [llama-server-ngram-mod]="${LLAMA[*]} --spec-type ngram-mod"
   [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level warning --port $PORT"
 )
-NAMES=${SERVERS:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # which, in the first round's order
+NAMES=${ONLY:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # which, in the first round's order
 PID=
 trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null || true' EXIT
 rm -rf "$OUT/runs"

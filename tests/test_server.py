@@ -229,6 +229,10 @@ def test_chat_traffic_resends_the_history_and_the_server_serves_it_from_cache(se
     row, = json.loads((out / "load.json").read_text())["rows"]
     assert row["requests"] == 6 and row["errors"] == 0 and row["turns"] == 3
     assert [r["turn"] for r in row["raw"]] == [0, 1, 2, 0, 1, 2]
+    raw = row["raw"]
+    assert all(r["prompt_tokens"] > 0 for r in raw)
+    assert all(later["prompt_tokens"] > earlier["prompt_tokens"] and later["cached_tokens"] >= earlier["prompt_tokens"] - 1
+               for earlier, later in zip(raw, raw[1:]) if later["turn"])  # a turn holds the last: read from cache
     assert len(row["ttft_p50_by_turn"]) == 3 and "turn 3" in (out / "load.md").read_text()
     # turns 2 and 3 of two conversations: at least the 18-token first prompt each time
     assert metric(server, "specdecode_prompt_tokens_cached_total") - cached_before >= 4 * 16

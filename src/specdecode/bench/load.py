@@ -29,6 +29,8 @@ class RequestResult:
     itl_s: float = 0.0  # mean inter-token latency after the first token
     error: str = ""
     turn: int = 0  # of its conversation (chat traffic), from 0
+    prompt_tokens: int = 0  # as the server's usage reports them
+    cached_tokens: int | None = None  # of them, served from its prompt cache (None: not reported)
 
 
 @dataclass
@@ -68,7 +70,8 @@ def agent_requests(texts: list[str]) -> list[list[dict]]:
 async def _one(client, model: str, messages: list[dict], max_tokens: int, temperature: float) -> tuple[RequestResult, str]:
     start = time.perf_counter()
     first = last = None
-    pieces = tokens = 0
+    pieces = tokens = prompt_tokens = 0
+    cached = None
     text = []
     try:
         stream = await client.chat.completions.create(
@@ -83,13 +86,16 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int, temper
                 pieces += 1
                 text.append(chunk.choices[0].delta.content)
             if getattr(chunk, "usage", None):
-                tokens = chunk.usage.completion_tokens
+                tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
+                details = getattr(chunk.usage, "prompt_tokens_details", None)
+                cached = getattr(details, "cached_tokens", None)
     except Exception as error:  # counted, not raised: a load test reports errors
         return RequestResult(ok=False, latency_s=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"[:300]), ""
     end = time.perf_counter()
     tokens = tokens or pieces  # servers that do not report usage: count streamed pieces
     itl = (last - first) / (tokens - 1) if first is not None and tokens > 1 else 0.0
-    result = RequestResult(ok=True, ttft_s=(first or end) - start, latency_s=end - start, completion_tokens=tokens, itl_s=itl)
+    result = RequestResult(ok=True, ttft_s=(first or end) - start, latency_s=end - start, completion_tokens=tokens, itl_s=itl,
+                           prompt_tokens=prompt_tokens, cached_tokens=cached)
     return result, "".join(text)
 
 
