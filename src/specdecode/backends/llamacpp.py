@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from .base import Backend, BackendError, RowReader, chain_offsets
-from .prefix import PrefixCache
 from .llamaguard import vet
 from .llamaprobe import buffer_types
+from .prefix import PrefixCache
 
 PINNED = "llama-cpp-python==0.3.36"
 INSTALL_HINT = (
@@ -139,7 +139,7 @@ class Context:
         if status == 1:  # llama.cpp found no free cells and left the cache as it was
             raise CacheFull("llama_decode failed (1: the KV cache is full)")
         if status != 0:
-            raise BackendError(f"llama_decode failed ({status}{': the KV cache is full' if status == 1 else ''})")
+            raise BackendError(f"llama_decode failed ({status})")
         flagged = sum(logits)
         if not flagged:
             return np.empty((0, self.model.vocab_size), dtype=np.float32)
