@@ -57,6 +57,14 @@ def test_torch_chat_turns_from_cached_prefixes_equal_cold_rows(target, near_draf
         assert sum(s.stats.drafted_tokens for s in results) > 0
 
 
+@pytest.mark.parametrize("given", ["model", "backend"])
+def test_the_cache_can_be_turned_off(target, given):
+    engine = BatchEngine(target if given == "model" else TorchBackend(target), None, prefix_cache=False)
+    seqs = [engine.generate_all([dict(input_ids=random_prompt(1, 30), max_new_tokens=4)])[0] for _ in range(2)]
+    assert engine.backend.prefix_cache is None and [s.stats.cached_prompt_tokens for s in seqs] == [0, 0]
+    assert seqs[0].result.token_ids == seqs[1].result.token_ids
+
+
 def test_torch_prefix_cache_is_bounded_in_tokens(target):
     backend = TorchBackend(target)
     backend.prefix_cache.max_tokens = 100

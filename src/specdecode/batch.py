@@ -61,7 +61,8 @@ class BatchEngine:
     """Submit requests any time (thread-safe); a single thread calls `step()` repeatedly — best the thread
     that loaded the models (on the 2-core CPU stepping from another one ran target passes 17-20 % slower with
     a draft model loaded; see server.service.SchedulerThread). `adaptive` makes speculation load-aware (see
-    control.BatchPolicy). `target`: a Backend, or a transformers model (run by the torch backend)."""
+    control.BatchPolicy). `target`: a Backend, or a transformers model (run by the torch backend). prefix_cache=False:
+    every prompt is read whole (no K/V of finished rows serve later prompts)."""
 
     def __init__(
         self,
@@ -74,6 +75,7 @@ class BatchEngine:
         compact_above: float = 0.5,
         calibrate_costs: bool = True,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefix_cache: bool = True,
     ):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
@@ -81,7 +83,10 @@ class BatchEngine:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
-        self.backend: Backend = as_backend(target, compact_above=compact_above)
+        self.backend: Backend = as_backend(target, compact_above=compact_above, prefix_cache=prefix_cache)
+        if not prefix_cache and self.backend.prefix_cache is not None:  # a Backend given with one: every prompt read whole
+            self.backend.drop_cached_prefixes()
+            self.backend.prefix_cache = None
         if self.backend.max_rows is not None and max_batch > self.backend.max_rows:
             raise ValueError("batched decoding supports full-attention models only (this one has sliding-window layers)")
         self.drafter, self.tokenizer, self.k, self.max_batch = drafter, tokenizer, k, max_batch

@@ -159,7 +159,8 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
 
 
 def load_components(target: str, draft: str | None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
-                    threads: int | None = None, compile_draft: bool = False, backend: str = "auto", max_rows: int = 1):
+                    threads: int | None = None, compile_draft: bool = False, backend: str = "auto", max_rows: int = 1,
+                    prefix_cache: bool = True):
     """(target, tokenizer, drafter, k, adaptive) from specs. The target is a transformers model (torch backend) or
     a LlamaCppBackend holding up to `max_rows` rows; backend 'auto' picks (see backends.choose_backend).
     adaptive=None: see adaptive_by_default; k=None: 5 fixed, at most 8 adaptive."""
@@ -173,7 +174,7 @@ def load_components(target: str, draft: str | None, *, dtype=None, k: int | None
         # torch only samples and compares logits here: its idle worker threads would spin beside llama.cpp's.
         torch.set_num_threads(1)
         tokenizer = load_tokenizer(target)
-        model = LlamaCppBackend(gguf_file(target), threads=threads, max_rows=max_rows)
+        model = LlamaCppBackend(gguf_file(target), threads=threads, max_rows=max_rows, prefix_cache=prefix_cache)
         return model, tokenizer, make_llama_drafter(draft, model, threads), k, adaptive
     if threads:
         torch.set_num_threads(threads)

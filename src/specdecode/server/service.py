@@ -110,6 +110,7 @@ class Service:
         max_queue: int = 64,
         default_max_tokens: int = 256,
         scheduler: SchedulerThread | None = None,
+        prefix_cache: bool = True,
     ):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
@@ -117,7 +118,8 @@ class Service:
         self._scheduler = scheduler or SchedulerThread()
         # Built where it will step: the engine times passes at construction (control.calibrate)
         self.engine = self._scheduler.submit(
-            BatchEngine, target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch).result()
+            BatchEngine, target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch,
+            prefix_cache=prefix_cache).result()
         self.eos = eos_token_ids(target, tokenizer)
         # No token covers more characters than the vocabulary's longest entry; 2x for normalizers that drop some.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
@@ -139,7 +141,7 @@ class Service:
         scheduler = SchedulerThread()  # loads the models: the thread that will step them (see SchedulerThread)
         model, tokenizer, drafter, k, adaptive = scheduler.submit(
             load_components, target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft,
-            backend=backend, max_rows=kwargs.get("max_batch", 8),
+            backend=backend, max_rows=kwargs.get("max_batch", 8), prefix_cache=kwargs.get("prefix_cache", True),
         ).result()
         return cls(model, tokenizer, drafter, model_name=kwargs.pop("model_name", None) or target,
                    k=k, adaptive=adaptive, scheduler=scheduler, **kwargs)
