@@ -20,7 +20,9 @@ class PrefixStats:
     evicted_for_cells: int = 0  # of them, because a pass found no free memory (llama.cpp)
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a, b) -> int:
+    """Length of the shared prefix of two token sequences (arrays, CPU tensors or lists)."""
+    a, b = np.asarray(a), np.asarray(b)
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
@@ -41,9 +43,6 @@ class PrefixCache:
         self.max_entries, self.max_tokens = max_entries, max_tokens
         self.entries: OrderedDict[Hashable, np.ndarray] = OrderedDict()  # least recently used first
         self.stats = PrefixStats()
-
-    def __len__(self) -> int:
-        return len(self.entries)
 
     @property
     def tokens(self) -> int:
@@ -79,7 +78,7 @@ class PrefixCache:
             shared = common_prefix(held, tokens)
             if shared == len(tokens):  # an entry holds all of it already (the same prompt asked again)
                 self.entries.move_to_end(old)
-                return [key]
+                return [key, *evicted]
             if shared == len(held):  # it extends an entry (the next turn of a conversation): the entry is redundant
                 del self.entries[old]
                 evicted.append(old)
@@ -95,6 +94,3 @@ class PrefixCache:
         key, _ = self.entries.popitem(last=False)
         self.stats.evictions += 1
         return key
-
-    def remove(self, key: Hashable) -> None:
-        self.entries.pop(key, None)

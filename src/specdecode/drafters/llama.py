@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..backends.llamacpp import LlamaCppBackend
+from ..backends.prefix import common_prefix
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, catch_up, draw
-from .model import common_prefix_len
 
 
 class LlamaDrafter(Drafter):
@@ -53,7 +53,7 @@ class LlamaDrafter(Drafter):
         self._read(prompt_ids.cpu())
 
     def commit(self, input_ids: torch.Tensor) -> None:
-        keep = common_prefix_len(self.cached_ids[0], input_ids[0].cpu())
+        keep = common_prefix(self.cached_ids[0], input_ids[0].cpu())
         if keep < self.cached_ids.shape[1]:
             if keep == 0:
                 self.backend.clear()

@@ -10,17 +10,11 @@ import time
 import torch
 from transformers import DynamicCache
 
+from ..backends.prefix import common_prefix
 from ..backends.torchmodel import rollback
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, catch_up, draw
 from .quant import RestrictedHead, quantize
-
-
-def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Length of the shared prefix of two [L] token tensors."""
-    n = min(a.shape[-1], b.shape[-1])
-    differ = (a[..., :n] != b[..., :n]).nonzero()
-    return int(differ[0, -1]) if len(differ) else n
 
 
 class ModelDrafter(Drafter):
@@ -175,6 +169,6 @@ class ModelDrafter(Drafter):
         return kept[: self.alternatives]
 
     def commit(self, input_ids: torch.Tensor) -> None:
-        keep = common_prefix_len(self.cached_ids[0], input_ids[0].cpu())
+        keep = common_prefix(self.cached_ids[0], input_ids[0].cpu())
         rollback(self.cache, keep)
         self.cached_ids = self.cached_ids[:, :keep]
