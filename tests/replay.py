@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdecode.control import AdaptiveK
-from specdecode.control.calibrate import WIDTHS, too_wide
+from specdecode.control.calibrate import too_wide, widths
 
 DATA = Path(__file__).parent / "data"
 PROFILES = json.loads((DATA / "cpu-profiles.json").read_text())
@@ -42,7 +42,7 @@ class Machine:
 
 
 def observe_step(ctl: AdaptiveK, source, confidences, drafted, accepted, draft_s, verify_s, positions=None, leaf_used=None):
-    """Feed one single-row step to the controller as the engine does (BatchEngine._verify)."""
+    """Feed one single-row step to the controller as `AdaptiveK.observe` does."""
     width = positions or drafted + 1
     ctl.observe_pass(width, 1, verify_s)
     ctl.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used=leaf_used, positions=width)
@@ -78,7 +78,7 @@ def seed_as_at_load(ctl: AdaptiveK, machine: Machine) -> None:
     """What `control.calibrate` measures at load, from the profile: passes by width (as far as it times them), a
     4-token draft and a 32-token reading."""
     passes: dict[int, float] = {}
-    for width in WIDTHS:
+    for width in widths():
         if too_wide(passes, width):
             break
         passes[width] = machine.verify_s(width)
@@ -86,6 +86,32 @@ def seed_as_at_load(ctl: AdaptiveK, machine: Machine) -> None:
     ctl.rows_changed()
     ctl.observe_reading(32, 32 * machine.draft_read_ms / 1000)
     ctl.costs.observe_draft("model", 4, 4 * machine.draft_ms / 1000)
+
+
+# A machine where speculation pays even at low acceptance: passes nearly flat in width, draft tokens almost free.
+DRAFTING_PAYS = Machine("drafting pays", {1: 10.0, 2: 10.05, 4: 10.1, 8: 10.2, 16: 10.4, 32: 10.8, 256: 20.0},
+                        draft_ms=0.05, draft_read_ms=0.01, leaves=LEAVES)
+
+
+def simulate_costs(engine, machine: Machine = DRAFTING_PAYS, seeded: bool = True):
+    """Give an engine (batched or single) a fresh adaptive controller that sees `machine`'s costs instead of the wall
+    clock, seeded as at load (unless not `seeded`): its decisions then follow the test's numbers, not the test
+    machine's load. Every measurement reaches the controller through `observe`, so that is the one place to rewrite."""
+    batch = getattr(engine, "_engine", engine)
+    batch.controller = ctl = AdaptiveK(max_k=batch.k)
+    if seeded:
+        seed_as_at_load(ctl, machine)
+    observe = ctl.observe
+
+    def simulated(outcome):
+        outcome.verify_s = machine.verify_s(len(outcome.row_ids) * outcome.positions)
+        for row in outcome.rows:
+            row.draft_s = machine.draft_ms / 1000 * row.drafted if row.confidence is not None else 0.0
+            row.readings = [(tokens, tokens * machine.draft_read_ms / 1000) for tokens, _ in row.readings]
+        observe(outcome)
+
+    ctl.observe = simulated
+    return engine
 
 
 def replay_request(machine: Machine, accept_by_position: list[float], *, prompt: int, answer: int, max_new_tokens: int,

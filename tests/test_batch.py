@@ -7,7 +7,7 @@ from specdecode.backends.torchmodel import TorchBackend
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams
 from specdecode.batch import BatchEngine
 from specdecode.control import AdaptiveK, BatchPolicy
-from specdecode.control.calibrate import WIDTHS
+from specdecode.control.calibrate import widths
 from specdecode.drafters import ComboDrafter
 from specdecode.stopping import StopCondition
 from stats_check import fit
@@ -16,6 +16,7 @@ from test_sampling import (  # noqa: F401
     K, MAX_NEW_TOKENS, SAMPLES, SETTINGS, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results,
     small_vocab_pair, wrong_rule_resample_from_p,
 )
+from replay import simulate_costs
 from tiny import keep_one_stale_entry, random_prompt, reference_greedy
 
 # Prompt lengths differ (rows join by left-padding), budgets differ (rows leave at different steps).
@@ -41,12 +42,19 @@ def run(engine, requests=REQUESTS, **kwargs):
 def test_every_row_equals_its_solo_greedy_output(target, weak_draft, near_draft, references, which, adaptive, compact_above):
     drafter = {"none": None, "weak": ModelDrafter(weak_draft), "near": ModelDrafter(near_draft),
                "self": ModelDrafter(target), "ngram": NgramDrafter()}[which]
-    engine = BatchEngine(target, drafter, k=4, adaptive=adaptive, max_batch=4, compact_above=compact_above)
+    engine = BatchEngine(target, drafter, k=4, adaptive=adaptive, max_batch=4, compact_above=compact_above,
+                         calibrate_costs=False)
+    if adaptive:
+        simulate_costs(engine)  # priced where drafting pays: tiny models' timings might never let it draft
     seqs, reports = run(engine)
     for seq, (seed, _, new) in zip(seqs, REQUESTS):
         assert seq.result.token_ids == references[seed], f"request {seed}, drafter {which}"
         assert seq.result.finish_reason == "length"
     assert max(r.rows for r in reports) == 4  # the batch really was a batch
+    if drafter is not None:  # the identity above is about drafts the target judged
+        assert sum(r.drafted for r in reports) > 0, which
+        if not (adaptive and which == "weak"):  # a weak draft is priced out of batches after its first rejections
+            assert any(r.rows > 1 and r.width > 2 and r.drafted for r in reports), which
     assert engine.backend.rows == 0 and not engine.rows  # everyone left
 
 
@@ -57,10 +65,10 @@ def model_drafting_never_pays(monkeypatch):
     plan = BatchPolicy.plan
 
     def no_model_drafts(self, rows, *args, **kwargs):
-        cap = plan(self, rows, *args, **kwargs)
+        decision = plan(self, rows, *args, **kwargs)
         if rows > 1:
-            self.cap = cap = 0
-        return cap
+            decision.cap = 0
+        return decision
 
     monkeypatch.setattr(BatchPolicy, "plan", no_model_drafts)
 
@@ -232,23 +240,29 @@ def test_a_row_alone_learns_the_pass_line(target):
     """One step for every path: a lone request in the batched engine (the server at one request) feeds the cost
     model exactly as `generate` does. The batched engine once never drew the pass line, so it ran an older rule."""
     # Without the costs measured at load: the line must come from the request's own passes
-    engine = BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4, calibrate_costs=False)
+    engine = simulate_costs(BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4, calibrate_costs=False),
+                            seeded=False)  # priced where lookups pay, so pass widths vary
     assert not engine.controller.pass_line.slope_samples
-    engine.controller.min_gain = 0.0  # keep drafting, so pass widths vary...
-    engine.controller.trim = lambda draft: draft  # ...whatever sub-millisecond timings say about lookups
     engine.generate_all([dict(input_ids=random_prompt(0, 6).repeat(1, 4), max_new_tokens=40)])  # lookups find runs
     line = engine.controller.pass_line
     assert line.slope_samples and line.level.value is not None
 
 
-def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft):
-    """An adaptive engine starts from this machine's costs (passes by width, a draft token, its reading), and the
-    scratch row and the drafter's state are gone before the first request."""
-    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, adaptive=True, max_batch=4)
+def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft, monkeypatch):
+    """An adaptive engine starts from this machine's costs (passes by width up to the widest batch pass it runs, a
+    draft token, its reading), and the scratch row and the drafter's state are gone before the first request."""
+    import importlib
+    import itertools
+    import types
+
+    calibrate_module = importlib.import_module("specdecode.control.calibrate")  # the module, not its function
+    ticks = itertools.count(step=0.001)  # every timing is 1 ms: passes flat in width, so every width is timed
+    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, adaptive=True, max_batch=8)
     costs = engine.controller.costs
-    assert all(costs.measured(width) for width in WIDTHS) and engine.controller.pass_line.slope is not None
-    assert costs.draft_time() > 0 and costs.draft_prefill_token_s.value > 0
-    assert set(engine.calibration["verify_s"]) == set(WIDTHS) and engine.calibration["draft_token_s"] > 0  # flat: all
+    assert set(engine.calibration["verify_s"]) == set(widths(8 * 5)) == {1, 2, 4, 8, 16, 32, 40}
+    assert all(costs.measured(width) for width in widths(40)) and engine.controller.pass_line.slope is not None
+    assert costs.draft_time() > 0 and costs.draft_prefill_token_s.value > 0 and engine.calibration["draft_token_s"] > 0
     assert engine.backend.rows == 0
     prompt = random_prompt(3, 7)
     (seq,) = engine.generate_all([dict(input_ids=prompt, max_new_tokens=12)])

@@ -58,8 +58,6 @@ def test_bench_on_tiny_models_writes_report_and_plots(tmp_path, target, near_dra
     assert len(rows) == len(PROMPTS) * len(methods)
     # Every method is greedy on the same target: all outputs equal ours, transformers' included.
     assert all(r["identical_to_plain"] for r in rows), [(r["method"], r["first_difference"]) for r in rows]
-    for r in rows:
-        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["latency_s"])
     summary = write_report(rows, names, {"dtype": "float32"}, "specdecode bench ...", {"k": 4}, tmp_path)
     assert set(summary["tasks"]) == {"task-a", "task-b"}
     spec = summary["overall"]["spec"]

@@ -13,16 +13,16 @@ import uvicorn
 
 from specdecode import ModelDrafter, SpecDecoder
 from specdecode.server import Service
+from replay import simulate_costs
 from serving import MODEL, RunningServer, free_port, metric
 
 
 @pytest.fixture(scope="module")
 def server(target, near_draft, tokenizer):
     service = Service(target, tokenizer, ModelDrafter(near_draft), model_name=MODEL, k=4, adaptive=True, max_batch=8)
-    # Tiny models: a draft step costs a target pass, so the on/off gate would keep a lone request's drafting off;
-    # these tests are about serving speculation (batches still decide by the load-aware rule).
-    service.engine.controller.min_gain = 0.0
-    service.engine.controller.READ_PAYBACK = 0.0  # nor let a tiny draft's reading cost, on a noisy clock, stop it
+    # Tiny models: a draft step costs a target pass, so the on/off gate would keep drafting off; these tests are
+    # about serving speculation, priced on a machine where it pays (batches still decide by the load-aware rule).
+    simulate_costs(service.engine)
     with RunningServer(service) as running:
         yield running
 

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from replay import simulate_costs
 from serving import MODEL, RunningServer, error_of, free_port, post
 from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
 from specdecode.batch import BatchEngine
@@ -25,8 +26,7 @@ from tiny import random_prompt, reference_greedy, tiny_model, tiny_tokenizer
 @pytest.fixture(scope="module")
 def server(target, near_draft, tokenizer):
     service = Service(target, tokenizer, ModelDrafter(near_draft), model_name=MODEL, k=4, adaptive=True, max_batch=4)
-    service.engine.controller.min_gain = 0.0  # tiny models: keep drafting on, so seeds are tried with drafts
-    service.engine.controller.READ_PAYBACK = 0.0
+    simulate_costs(service.engine)  # tiny models: priced where drafting pays, so seeds are tried with drafts
     with RunningServer(service) as running:
         yield running
 

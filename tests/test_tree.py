@@ -10,7 +10,7 @@ from specdecode.control import AdaptiveK
 from specdecode.drafters.base import Draft
 from specdecode.sequence import Sequence
 from specdecode.tree import TreeLayout, pack
-from replay import observe_step
+from replay import observe_step, simulate_costs
 from test_sampling import (  # noqa: F401
     K, SAMPLES, SETTINGS, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results, sample_generations,
     small_vocab_pair,
@@ -60,13 +60,10 @@ def test_greedy_output_equals_target_greedy_with_leaves(target, near_draft, weak
     assert leaves > 0, "no leaf was ever used: the test did not exercise the tree path"
 
 
-def test_adaptive_engine_with_leaves_keeps_greedy_output(target, near_draft, references, monkeypatch):
-    engine = SpeculativeEngine(target, ModelDrafter(near_draft, alternatives=2), k=8, adaptive=True)
-    # A tiny draft costs what a tiny target pass does: the on/off gate would rightly keep drafting off, and whether
-    # leaves pay is decided from noisy sub-millisecond timings (the replay tests cover both decisions). Here: the
-    # output, with the controller's draft lengths and its leaves on.
-    engine.controller.min_gain, engine.controller.READ_PAYBACK = 0.0, 0.0
-    monkeypatch.setattr(AdaptiveK, "_leaves_pay", lambda self, offered: bool(offered))
+def test_adaptive_engine_with_leaves_keeps_greedy_output(target, near_draft, references):
+    # A tiny draft costs what a tiny target pass does: the on/off gate would rightly keep drafting off. Priced where
+    # drafting and a wider pass are cheap, the controller drafts with leaves on (the replay tests cover the decisions).
+    engine = simulate_costs(SpeculativeEngine(target, ModelDrafter(near_draft, alternatives=2), k=8, adaptive=True))
     results, used = generate_all(engine)
     assert [r.token_ids for r in results] == [references[s] for s, _ in PROMPTS]
     assert used > 0
@@ -181,8 +178,8 @@ def test_the_speculation_gate_counts_leaf_hits():
         for width in range(1, 12):
             ctl.observe_pass(width, 1, 0.25)
         ctl.costs.observe_draft("model", 1, 0.05)
-        ctl.first_accept.value = 0.15
-        ctl.leaf_hit.value = 0.5
+        ctl.measured.first_accept.value = 0.15
+        ctl.measured.leaf_hit.value = 0.5
         return ctl
 
     assert controller(leaves=0).plan(4, leaves=0).length == 0  # (1 + 0.15) / 0.30 s < 1 / 0.25 s: plain decoding
@@ -191,11 +188,11 @@ def test_the_speculation_gate_counts_leaf_hits():
 
 def test_a_leaf_hit_is_learned_only_from_rejections():
     ctl = AdaptiveK(max_k=4)
-    before = ctl.leaf_hit.value
+    before = ctl.measured.leaf_hit.value
     observe_step(ctl, "model", [0.9, 0.9], drafted=2, accepted=2, draft_s=0.05, verify_s=0.25, positions=7, leaf_used=False)
-    assert ctl.leaf_hit.value == before  # all accepted: no leaf was asked for
+    assert ctl.measured.leaf_hit.value == before  # all accepted: no leaf was asked for
     observe_step(ctl, "model", [0.9, 0.9], drafted=2, accepted=0, draft_s=0.05, verify_s=0.25, positions=7, leaf_used=True)
-    assert ctl.leaf_hit.value > before
+    assert ctl.measured.leaf_hit.value > before
     assert ctl.costs.measured(7)  # the pass is costed at its real width
 
 
@@ -253,7 +250,7 @@ def test_the_marginal_rule_charges_offered_leaves_before_their_count_is_measured
         ctl.costs.observe_draft("model", 1, 0.01)
         ctl._leaves_pay = lambda offered: True
         plan = ctl.plan(8, leaves=offered)
-        assert plan.leaves and ctl.leaves_per_token.value is None
+        assert plan.leaves and ctl.measured.leaves_per_token.value is None
         n = 1
         while n < 8 and plan.keep_going(n, 0.8):
             n += 1

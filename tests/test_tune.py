@@ -33,8 +33,8 @@ def test_successive_halving_keeps_the_better_half(target, tokenizer):
     assert sorted(measured.values()) == [2, 2, 4, 6]  # 4 candidates on round 1, 2 on round 2, 1 on round 3
     best = result.best
     assert best["prompts"] == 6 and best["method"] in CANDIDATES
+    assert result.table == sorted(result.table, key=lambda t: (-t["prompts"], -t["speedup_mean"]))  # best first
     for row in result.table:
-        assert row["speedup_min"] <= row["speedup_mean"] <= row["speedup_max"]
         assert row["identical"] == row["prompts"]  # fp32 tiny model: speculation changed nothing
     # the survivors of round 1 were its best two
     first = {r["prompt_id"] for r in result.rows if r["prompt_id"].endswith("-0")}

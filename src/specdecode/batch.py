@@ -1,9 +1,9 @@
 """Continuous batching with speculation per row: the one decoding step every path runs.
 
-Each step admits waiting requests (prefill), lets every row propose a draft (under a load-aware cap),
-verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend pass, judges each row by
-the single-sequence rule (`Sequence.judge`), keeps the accepted K/V (`Backend.keep`), feeds the controller
-and emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
+Each step admits waiting requests (prefill), asks the controller for every row's draft plan, runs the rows'
+drafters, verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend pass, judges each row
+(`Sequence.judge`), keeps the accepted K/V (`Backend.keep`), tells the controller what the step measured and
+emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
 Greedy output per row equals the same request run alone; sampling stays lossless per row (each row
 keeps its own draws).
 """
@@ -19,10 +19,12 @@ import torch
 
 from .backends import Backend, as_backend
 from .backends.base import RowReader
-from .control import AdaptiveK, FixedK, calibrate
+from .control import AdaptiveK, calibrate
+from .control.calibrate import WIDEST
+from .control.step import LOOKUP, PLAIN, Controller, FixedK, RowOutcome, RowPlan, StepOutcome, StepPlan
 from .drafters.base import Draft, Drafter
 from .sampling import SamplingParams
-from .sequence import Sequence, validate_request
+from .sequence import Sequence, check_draft_length, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
 from .tree import TreeLayout, pack
@@ -77,8 +79,7 @@ class BatchEngine:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefix_cache: bool = True,
     ):
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
+        check_draft_length(k)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -91,11 +92,14 @@ class BatchEngine:
             raise ValueError("batched decoding supports full-attention models only (this one has sliding-window layers)")
         self.drafter, self.tokenizer, self.k, self.max_batch = drafter, tokenizer, k, max_batch
         self.prefill_chunk = prefill_chunk
-        self.controller = AdaptiveK(max_k=k) if adaptive else None
+        self.adaptive = adaptive
+        self.controller: Controller = AdaptiveK(max_k=k) if adaptive else FixedK()
         if drafter is not None:
             drafter.check_vocab(self.backend.vocab_size, tokenizer)
         # What the controller needs measured (passes by width, a draft token), at load instead of on a request's time
-        self.calibration = calibrate(self.controller, self.backend, drafter) if adaptive and calibrate_costs else None
+        # A batch's pass scores rows x positions: measured up to the widest this engine runs
+        widest = max(WIDEST, max_batch * (k + 1))
+        self.calibration = calibrate(self.controller, self.backend, drafter, widest) if adaptive and calibrate_costs else None
         self.rows: list[Sequence] = []
         self._pending: deque[Sequence] = deque()
         self._reading: tuple[Sequence, RowReader] | None = None  # the request whose prompt is being read
@@ -167,92 +171,109 @@ class BatchEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepReport:
+        """admit -> plan -> draft -> fit -> pass, judge, keep -> observe -> emit."""
         start = time.perf_counter()
         report = StepReport()
         self._leave([s for s in self.rows if s.cancelled], report, reason="cancelled")
         self._admit(report)
         report.admit_s = time.perf_counter() - start
         if self.rows:
-            drafts, draft_s = self._draft(report)
+            trees = self._trees_on()
+            plan = self.controller.plan_step(self.rows, trees)
+            report.cap, report.lookup_only = plan.cap, plan.lookup_only
+            drafts, timings = self._draft(plan, report)
             if self.rows:
-                self._verify(drafts, draft_s, report)
+                self.controller.fit(self.rows, plan, drafts)
+                layouts = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if trees else None)
+                           for seq, d in zip(self.rows, drafts)]
+                accepted = self._verify(layouts, drafts, report)
+                self.controller.observe(self._outcome(layouts, drafts, accepted, timings, report))
+                self._emit(drafts, accepted, report)
         report.step_s = time.perf_counter() - start
         return report
 
-    def _draft(self, report: StepReport) -> tuple[list[Draft], list[float]]:
-        """Every row's draft for this step (empty: a plain step for that row) and the seconds it took."""
-        controller, B = self.controller, len(self.rows)
-        trees = self._trees_on()
-        # Load-aware control needs the cost of a plain pass at this batch size: measure it once.
-        measure_plain = controller is not None and not controller.costs.measured(1, B)
-        if controller is not None and not measure_plain:
-            drafting = [seq for seq in self.rows if seq.drafter is not None]
-            unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
-            report.cap = controller.batch.plan(B, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
-            # Model drafting does not pay for this batch; drafts that cost no model pass still may.
-            report.lookup_only = B > 1 and report.cap == 0
-        drafts, draft_s, failed = [], [], []
-        for seq in self.rows:
-            t0 = time.perf_counter()
-            if measure_plain and seq.drafter is not None:
-                seq.stats.plain_steps += 1
-                draft = Draft.empty()
-            else:
-                try:
-                    offered = seq.drafter.alternatives if trees and seq.drafter is not None else 0
-                    draft = seq.propose_free() if report.lookup_only else seq.propose(controller or FixedK(seq.k), offered)
-                except Exception as error:  # one row's drafter failing must not take the others down
-                    seq.fail(error)
-                    failed.append(seq)
-                    continue
-            drafts.append(draft)
-            draft_s.append(time.perf_counter() - t0 - seq.step_prefill_s)  # a deferred prompt reading is not drafting
-            seq.stats.draft_time_s += draft_s[-1]
-        report.draft_s = sum(draft_s)
-        self._leave(failed, report)
-        if report.lookup_only and self.rows:
-            keep_len = controller.batch.plan_free(len(self.rows), drafts)
-            for seq, draft in zip(self.rows, drafts):
-                draft.truncate(keep_len)
-                if seq.drafter is not None and not draft.length and seq.draft_budget > 0:
-                    seq.stats.plain_steps += 1
-        return drafts, draft_s
-
     def _trees_on(self) -> bool:
         """Tree leaves only for a row running alone (beside other rows a wider pass is not free), where the backend
-        scores trees; the row's plan then says whether they pay (its draft keeps its alternatives or not)."""
+        scores trees; the row's plan then says whether they pay."""
         return len(self.rows) == 1 and self.backend.supports_tree
 
-    def _verify(self, drafts: list[Draft], draft_s: list[float], report: StepReport) -> None:
-        """One pass over every row's [last] + draft, then judge, keep the accepted K/V, learn and emit."""
-        controller, B = self.controller, len(self.rows)
-        leaves = self._trees_on()
-        trees = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if leaves else None) for seq, d in zip(self.rows, drafts)]
-        t0 = time.perf_counter()
-        tokens, widths, offsets, visibility = pack(trees)
-        logits = self.backend.forward(tokens, widths, offsets, visibility)
-        accepted, kept = [], []
-        for i, (seq, draft, tree) in enumerate(zip(self.rows, drafts, trees)):
-            accepted.append(seq.judge(draft, *tree.split_logits(logits[i : i + 1, : tree.width])))
-            kept.append(tree.kept_inputs(accepted[-1], seq.leaf))
-        self.backend.keep(kept)
-        verify_s = time.perf_counter() - t0
+    def _draft(self, plan: StepPlan, report: StepReport) -> tuple[list[Draft], list[tuple[float, list]]]:
+        """Every row's draft as planned (empty: a plain step for that row), with the seconds it took and what the
+        drafter read on the way. A row whose drafter fails fails alone."""
+        drafts, timings, failed = [], [], []
+        for seq, row in zip(self.rows, plan.rows):
+            try:
+                draft, seconds, readings = self._propose(seq, row)
+            except Exception as error:
+                seq.fail(error)
+                failed.append(seq)
+                continue
+            drafts.append(draft)
+            timings.append((seconds, readings))
+            seq.stats.draft_time_s += seconds
+            if seq.drafter is not None:
+                seq.stats.note = seq.stats.note or self.controller.model_off or ""
+        report.draft_s = sum(seconds for seconds, _ in timings)
+        if failed:
+            plan.rows = [row for seq, row in zip(self.rows, plan.rows) if seq not in failed]
+            self._leave(failed, report)
+        return drafts, timings
 
-        report.rows, report.width, report.verify_s = B, tokens.shape[1], verify_s
-        if controller is not None:
-            controller.observe_pass(tokens.shape[1], B, verify_s)
-        for seq, draft, tree, n_acc, seconds in zip(self.rows, drafts, trees, accepted, draft_s):
-            seq.stats.verify_time_s += verify_s
-            if controller is not None:
-                controller.observe_row(
-                    draft.source, draft.confidence, draft.length, n_acc, seconds - draft.reading_s,
-                    leaf_used=(seq.leaf is not None) if tree.leaves else None, positions=tree.width,
-                    match_len=draft.match_len,
-                )
+    def _propose(self, seq: Sequence, row: RowPlan) -> tuple[Draft, float, list[tuple[int, float]]]:
+        """Run one row's drafter as planned. Returns the draft, the seconds it took (a prompt reading left out: it is
+        no draft step's cost) and (tokens, seconds) of the committed text the drafter read."""
+        readings: list[tuple[int, float]] = []
+        if row.kind == PLAIN:
+            return Draft.empty(), 0.0, readings
+        if row.read_prompt:  # deferred to the first step that drafts with a model: a request that never does never pays
+            t0 = time.perf_counter()
+            seq.drafter.prefill(seq.prompt)
+            seq.drafter_ready = True
+            readings.append((seq.prompt.shape[1], time.perf_counter() - t0))
+            seq.stats.draft_prefill_s += readings[-1][1]
+        t0 = time.perf_counter()
+        if row.kind == LOOKUP:
+            draft = seq.drafter.propose_free(seq.ids, row.length)
+        else:
+            unread, passes = seq.drafter.unread(seq.ids), seq.drafter.forward_passes
+            draft = seq.drafter.propose(seq.ids, row.length, seq.sampling, seq.draws, row.keep_going)
+            seq.stats.draft_passes += seq.drafter.forward_passes - passes
+            if draft.reading_s:  # a catch-up pass over all but the last unread token
+                readings.append((unread - 1, draft.reading_s))
+        seconds = time.perf_counter() - t0
+        draft.truncate(seq.draft_budget)  # a drafter may offer more than asked (n-gram runs)
+        if not row.leaves:
+            draft.alternatives = None
+        return draft, seconds, readings
+
+    def _verify(self, layouts: list[TreeLayout], drafts: list[Draft], report: StepReport) -> list[int]:
+        """One pass over every row's [last] + draft (+ leaves), each row judged, the accepted K/V kept. Returns how
+        many draft tokens each row accepted."""
+        t0 = time.perf_counter()
+        tokens, widths, offsets, visibility = pack(layouts)
+        logits = self.backend.forward(tokens, widths, offsets, visibility)
+        accepted = [seq.judge(draft, *layout.split_logits(logits[i : i + 1, : layout.width]))
+                    for i, (seq, draft, layout) in enumerate(zip(self.rows, drafts, layouts))]
+        self.backend.keep([layout.kept_inputs(n, seq.leaf) for seq, layout, n in zip(self.rows, layouts, accepted)])
+        report.rows, report.width, report.verify_s = len(self.rows), tokens.shape[1], time.perf_counter() - t0
+        return accepted
+
+    def _outcome(self, layouts: list[TreeLayout], drafts: list[Draft], accepted: list[int],
+                 timings: list[tuple[float, list]], report: StepReport) -> StepOutcome:
+        rows = [RowOutcome(d.source, d.confidence, d.length, n, seconds - d.reading_s, d.match_len,
+                           (seq.leaf is not None) if layout.leaves else None, layout.width, readings)
+                for seq, layout, d, n, (seconds, readings) in zip(self.rows, layouts, drafts, accepted, timings)]
+        return StepOutcome(tuple(seq.serial for seq in self.rows), report.width, report.verify_s, rows)
+
+    def _emit(self, drafts: list[Draft], accepted: list[int], report: StepReport) -> None:
+        for seq, draft, n in zip(self.rows, drafts, accepted):
+            if seq.drafter is not None and not draft.length and seq.draft_budget > 0:
+                seq.stats.plain_steps += 1  # it could have drafted: speculation was off for it this step
+            seq.stats.verify_time_s += report.verify_s
             report.drafted += draft.length
-            report.accepted += n_acc
+            report.accepted += n
             count_positions(report.drafted_per_position, draft.length)
-            count_positions(report.accepted_per_position, n_acc)
+            count_positions(report.accepted_per_position, n)
             chunk = seq.emit()
             if chunk:
                 report.events.append((seq, chunk))
@@ -328,8 +349,6 @@ class BatchEngine:
         seq.start(logits)
         report.admitted += 1
         self.rows.append(seq)
-        if self.controller is not None:
-            self.controller.rows_changed()
         chunk = seq.emit()
         if chunk:
             report.events.append((seq, chunk))
@@ -362,5 +381,3 @@ class BatchEngine:
             if seq in self.rows:
                 self._give_back_drafter(seq)
         self.rows = [seq for seq in self.rows if seq not in leaving]
-        if self.controller is not None:
-            self.controller.rows_changed()

@@ -63,6 +63,10 @@ class SpeculativeEngine:
         return self._engine.controller
 
     @property
+    def adaptive(self) -> bool:
+        return self._engine.adaptive
+
+    @property
     def k(self) -> int:
         return self._engine.k
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ import torch
 
 from .drafters import ComboDrafter, Drafter, ModelDrafter, NgramDrafter, SelfDrafter, SuffixDrafter, suffix_available
 from .drafters.quant import fastest_weight_format
+from .drafters.spec import DrafterSpec, parse_drafter_spec
 from .encoding import encode_prompt, eos_token_ids
 from .engine import Generation, SpeculativeEngine
 from .sequence import GenerationResult
@@ -31,22 +31,23 @@ DRAFT_HEAD_TOKENS = 32768  # the restricted draft head: ~5x cheaper than Qwen's 
 AUTO_ALTERNATIVES = 2
 
 
-def model_spec_of(drafter_spec: str) -> str:
-    """The model a drafter spec drafts with: 'auto:M' -> M, 'M+int8+head' -> M."""
-    if drafter_spec == "auto":
-        return DEFAULT_DRAFT
-    if drafter_spec.startswith("auto:"):
-        drafter_spec = drafter_spec[5:]
-    return drafter_spec.split("+")[0]
+def model_spec_of(drafter_spec: str | DrafterSpec) -> str | None:
+    """The model a drafter spec drafts with ('auto' -> the default draft, 'auto:M+int8' -> M); None: it has none."""
+    spec = parse_drafter_spec(drafter_spec) if isinstance(drafter_spec, str) else drafter_spec
+    return (spec.model or DEFAULT_DRAFT) if spec.has_model else None
 
 
-def _shares_vocab(spec: str, model_spec: str, vocab_size: int) -> bool:
+def adaptive_by_default(spec: str | None) -> bool:
+    return parse_drafter_spec(spec).adaptive_by_default
+
+
+def _shares_vocab(spec: DrafterSpec, model_spec: str, vocab_size: int) -> bool:
     """Whether a built-in draft can serve a target of `vocab_size` tokens, known before its weights load. Plain
-    `auto` falls back to its n-gram drafter (False); a draft named outright is refused."""
+    `auto` falls back to its lookup drafter (False); a draft named outright is refused."""
     known = known_vocab_size(model_spec)
     if known is None or known == vocab_size:
         return True
-    if spec == "auto":
+    if spec.kind == "auto" and spec.model is None:
         print(f"[specdecode] auto: {model_spec} does not share the target's vocabulary; drafting with lookups "
               "only (name a draft model with auto:MODEL)", file=sys.stderr)
         return False
@@ -54,108 +55,81 @@ def _shares_vocab(spec: str, model_spec: str, vocab_size: int) -> bool:
                      f"{vocab_size}: draft and target must share one tokenizer")
 
 
-def lookup_drafter(spec: str) -> Drafter | None:
+def lookup_drafter(name: str) -> Drafter:
     """'ngram' (prompt lookup), 'suffix' (suffix trees over the prompt, the output and earlier answers), 'lookup'
-    (auto's: suffix where arctic-inference is installed, else n-gram); None for any other spec."""
-    if spec == "ngram":
+    (auto's: suffix where arctic-inference is installed, else n-gram)."""
+    if name == "ngram" or (name == "lookup" and not suffix_available()):
         return NgramDrafter()
-    if spec == "suffix":
-        return SuffixDrafter()
-    if spec == "lookup":
-        return SuffixDrafter() if suffix_available() else NgramDrafter()
-    return None
+    return SuffixDrafter()
 
 
-def adaptive_by_default(spec: str | None) -> bool:
-    """The controller is on by default for `auto` and for the lookups it prices by measured gain (suffix, lookup);
-    `ngram` alone stays the classic fixed-k prompt lookup."""
-    return bool(spec) and (spec.startswith("auto") or spec in ("suffix", "lookup"))
-
-
-def auto_drafter(model: Drafter) -> ComboDrafter:
+def _auto(spec: DrafterSpec, model: Drafter) -> Drafter:
+    if spec.kind != "auto":
+        return model
     return ComboDrafter(model, lookup_drafter("lookup"), lookup_stretch=AUTO_LOOKUP_STRETCH)
 
 
 def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, compile_draft: bool = False) -> Drafter | None:
-    """A drafter from a spec:
-    - None / 'none': no drafter (plain decoding);
-    - 'ngram', 'suffix', 'lookup': drafts that cost no model pass (see `lookup_drafter`);
-    - 'self[:L]': the target's own first L layers (L calibrated on the first prompt when not given);
+    """A drafter from a spec (drafters/spec.py) for a transformers target:
     - 'MODEL[+int8|+int4][+head][+compile][+altN]': a draft model, optionally with packed weights, a restricted
       head, a compiled one-token step and N runner-up tokens per position verified as tree leaves;
-    - 'auto[:MODEL]': n-gram where the context matches, else MODEL with the weight format (int4, int8 or its own)
-      whose one-row step measures fastest here, a restricted head, and with compile_draft a compiled step (long-running uses: it costs
-      about a minute at start), and 2 runner-ups per position; 'auto:MODEL+OPTIONS' takes exactly those options.
+    - 'auto[:MODEL]': a lookup where the context matches, else MODEL with the weight format (int4, int8 or its own)
+      whose one-row step measures fastest here, a restricted head, 2 runner-ups per position, and with compile_draft
+      a compiled step (it costs about a minute at start); 'auto:MODEL+OPTIONS' takes exactly those options.
     """
-    if spec in (None, "", "none"):
+    parsed = parse_drafter_spec(spec)
+    if parsed.kind == "none":
         return None
-    if (lookup := lookup_drafter(spec)) is not None:
-        return lookup
-    if spec == "self" or spec.startswith("self:"):
+    if parsed.kind == "lookup":
+        return lookup_drafter(parsed.lookup)
+    if parsed.kind == "self":
         if target is None:
             raise ValueError("the 'self' drafter needs the target model")
-        layers = spec.partition(":")[2]
-        if layers and not layers.isdigit():
-            raise ValueError(f"'self:L' takes a number of layers, got {spec!r}")
-        return SelfDrafter(target, int(layers) if layers else None, tokenizer)
-    model_spec = model_spec_of(spec)
-    auto = spec.startswith("auto")
-    options = set(spec.split("+")[1:])
-    measure_format = auto and not options  # auto:MODEL+OPTIONS (an ablation) takes exactly the options given
-    if measure_format:
-        options = {"head", f"alt{AUTO_ALTERNATIVES}"} | ({"compile"} if compile_draft else set())
-    alternatives = [o for o in options if re.fullmatch(r"alt[0-9]+", o)]
-    unknown = options - {"int8", "int4", "head", "compile"} - set(alternatives)
-    if unknown:
-        raise ValueError(
-            f"unknown draft option(s) {sorted(unknown)} in {spec!r}: use +int8 or +int4, +head, +compile, +altN "
-            "(any of them)"
-        )
-    if len(alternatives) > 1:
-        raise ValueError(f"{spec!r} gives the number of alternatives twice ({sorted(alternatives)}): pick one")
-    quant = options & {"int8", "int4"}
-    if len(quant) > 1:
-        raise ValueError(f"{spec!r} asks for both +int8 and +int4: pick one")
-    if target is not None and not _shares_vocab(spec, model_spec, target.config.vocab_size):
+        return SelfDrafter(target, parsed.layers, tokenizer)
+    model_spec = model_spec_of(parsed)
+    if target is not None and not _shares_vocab(parsed, model_spec, target.config.vocab_size):
         return lookup_drafter("lookup")
+    options, alternatives = parsed.options, parsed.alternatives
+    measure_format = parsed.kind == "auto" and not parsed.explicit
+    if measure_format:
+        options, alternatives = {"head"} | ({"compile"} if compile_draft else set()), AUTO_ALTERNATIVES
     model, draft_tokenizer = load_model(model_spec, dtype=dtype)
-    if measure_format:  # the weight format whose one-row step is fastest on this machine
-        quant = {fastest_weight_format(model)} - {None}
+    quant = fastest_weight_format(model) if measure_format else parsed.quant  # the fastest one-row step here
     drafter = ModelDrafter(
         model,
         draft_tokenizer,
-        name=model_spec if spec == "auto" else spec.removeprefix("auto:"),
-        quant=quant.pop() if quant else None,
+        name=model_spec if parsed.text == "auto" else parsed.text.removeprefix("auto:"),
+        quant=quant,
         head_tokens=DRAFT_HEAD_TOKENS if "head" in options else None,
         compile="compile" in options,
-        alternatives=int(alternatives[0][3:]) if alternatives else 0,
+        alternatives=alternatives,
     )
-    return auto_drafter(drafter) if auto else drafter
+    return _auto(parsed, drafter)
 
 
 def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> Drafter | None:
-    """A drafter for a llama.cpp target (a LlamaCppBackend): 'none', 'ngram', 'MODEL' (its GGUF in a second
-    llama.cpp context) or 'auto[:MODEL]' (n-gram where the context matches, else MODEL)."""
+    """A drafter for a llama.cpp target (a LlamaCppBackend): 'none', a lookup, 'MODEL' (its GGUF in a second
+    llama.cpp context) or 'auto[:MODEL]' (a lookup where the context matches, else MODEL)."""
     from .backends.llamacpp import LlamaCppBackend
     from .drafters.llama import LlamaDrafter
 
-    if spec in (None, "", "none"):
+    parsed = parse_drafter_spec(spec)
+    if parsed.kind == "none":
         return None
-    if (lookup := lookup_drafter(spec)) is not None:
-        return lookup
-    if spec == "self" or spec.startswith("self:"):
+    if parsed.kind == "lookup":
+        return lookup_drafter(parsed.lookup)
+    if parsed.kind == "self":
         raise ValueError("self-speculation (the target's first layers) runs on the torch backend only: use --backend torch")
-    model_spec = model_spec_of(spec)
-    if "+" in spec:
+    if parsed.explicit:
         raise ValueError(f"draft options in {spec!r} (+int8, +int4, +head, +compile, +altN) are the torch backend's: on "
                          "llama.cpp a draft model runs its GGUF as it is (use --backend torch for them)")
-    if not _shares_vocab(spec, model_spec, target.vocab_size):
+    model_spec = model_spec_of(parsed)
+    if not _shares_vocab(parsed, model_spec, target.vocab_size):
         return lookup_drafter("lookup")
     path = gguf_file(model_spec)
     if path is None:
         raise ValueError(f"a draft model on llama.cpp is a GGUF file or a built-in name, not {model_spec!r}")
-    drafter = LlamaDrafter(LlamaCppBackend(path, threads=threads, prefix_cache=False), name=model_spec)
-    return auto_drafter(drafter) if spec.startswith("auto") else drafter
+    return _auto(parsed, LlamaDrafter(LlamaCppBackend(path, threads=threads, prefix_cache=False), name=model_spec))
 
 
 def load_components(target: str, draft: str | None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,

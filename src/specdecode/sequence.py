@@ -1,13 +1,13 @@
-"""One request between steps: its committed tokens, its drafter, its sampling, its stop rules.
+"""One request between steps: its committed tokens, its drafter, its sampling, its stop rules; its first token,
+the judging of its draft, and cutting its output at a stop or its budget.
 
-The single-sequence engine and the batched engine run the same per-sequence logic (first token,
-propose, judge the draft, cut at stop/budget); they differ only in how the target's cache holds rows.
-Invariant between steps: `ids` holds every committed token; the target's cache holds K/V for all of
-them but the last, which is fed at the next verify pass.
+Invariant between steps: `ids` holds every committed token; the target's cache holds K/V for all of them but the
+last, which is fed at the next verify pass.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +39,11 @@ class GenerationResult:
     error: str | None = None  # what went wrong, when finish_reason is "error"
 
 
+def check_draft_length(k) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
+
+
 def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, window: int | None = None) -> None:
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
@@ -46,8 +51,7 @@ def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, windo
         raise ValueError(f"one sequence per call (got a batch of {input_ids.shape[0]})")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if not isinstance(k, int) or k < 1:
-        raise ValueError(f"the draft length k must be an integer >= 1, got {k!r}")
+    check_draft_length(k)
     if window and input_ids.shape[1] + max_new_tokens > window:
         raise ValueError(
             f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
@@ -56,6 +60,8 @@ def validate_request(input_ids: torch.Tensor, max_new_tokens: int, k: int, windo
 
 
 class Sequence:
+    _serials = itertools.count()
+
     def __init__(
         self,
         input_ids: torch.Tensor,
@@ -69,6 +75,7 @@ class Sequence:
     ):
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise ValueError(f"logprobs (how many top tokens to list) must be an integer >= 0, got {logprobs!r}")
+        self.serial = next(Sequence._serials)  # tells rows apart across steps (a pass over other rows is not comparable)
         self.prompt = input_ids.cpu()
         self.max_new_tokens, self.k, self.sampling = max_new_tokens, k, sampling
         self.stop = stop or StopCondition()
@@ -85,7 +92,6 @@ class Sequence:
         if logprobs is not None:
             self.result.logprobs = []
         self.drafter_ready = False  # the drafter has read the prompt
-        self.step_prefill_s = 0.0  # of the last propose, the drafter's (deferred) prompt reading
         self.cancelled = False
         self.exception: Exception | None = None  # what made it fail
         self.leaf: tuple[int, int] | None = None  # the tree leaf the last step used (position, rank)
@@ -112,15 +118,6 @@ class Sequence:
         if self.drafter is not None:
             self.drafter.reset()
             self.drafter.begin(self.prompt)
-
-    def _prefill_drafter(self) -> float:
-        """The draft reads the prompt once (not a draft step's cost); returns the seconds it took."""
-        t0 = time.perf_counter()
-        self.drafter.prefill(self.prompt)
-        self.drafter_ready = True
-        seconds = time.perf_counter() - t0
-        self.stats.draft_prefill_s += seconds
-        return seconds
 
     def emit(self) -> list[int]:
         """Move the last step's tokens to the output, cut at EOS / stop string / budget; returns what was added."""
@@ -157,56 +154,14 @@ class Sequence:
         """No need to draft past the budget: the target adds one token of its own."""
         return self.max_new_tokens - len(self.result.token_ids) - 1
 
-    def propose_free(self, length: int | None = None, leaves: int = 0) -> Draft:
-        """A draft that costs no model pass (the drafter's lookup), up to `length` tokens (default k); often empty.
-        leaves: 0 drops its tree leaves (the engine would not verify them)."""
-        self.step_prefill_s = 0.0
-        if self.drafter is None or self.draft_budget <= 0:
-            return Draft.empty()
-        draft = self.drafter.propose_free(self.ids, length or self.k)
-        draft.truncate(self.draft_budget)
-        if not leaves:
-            draft.alternatives = None
-        return draft
+    @property
+    def generated(self) -> int:
+        return len(self.result.token_ids) + len(self.new)
 
-    def propose(self, controller, leaves: int = 0) -> Draft:
-        """This step's draft (empty: a plain step). leaves: runner-ups per token the engine could verify with it."""
-        self.step_prefill_s = 0.0
-        if self.drafter is None:
-            return Draft.empty()
-        budget = self.draft_budget
-        if self.drafter.free:  # a lookup: nothing to read, no model pass; its measured gain decides its length
-            draft = self._propose_lookup(controller, leaves)
-        else:
-            draft = self._propose_with_model(controller, leaves, budget)
-        if controller.model_off and not self.stats.note:
-            self.stats.note = controller.model_off
-        if draft.length == 0 and budget > 0:
-            self.stats.plain_steps += 1
-        return draft
-
-    def _propose_lookup(self, controller, leaves: int) -> Draft:
-        return controller.trim(self.propose_free(controller.lookup_length(), leaves))
-
-    def _propose_with_model(self, controller, leaves: int, budget: int) -> Draft:
-        unread = self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
-        generated = len(self.result.token_ids) + len(self.new)
-        plan = controller.plan(min(budget, self.k), self.drafter_ready, unread, leaves, remaining=budget,
-                               generated=generated)
-        if plan.length == 0:  # model drafting does not pay this step; a lookup that costs nothing still may
-            return self._propose_lookup(controller, leaves)
-        if not self.drafter_ready:
-            self.step_prefill_s = self._prefill_drafter()
-            controller.observe_reading(self.prompt.shape[1], self.step_prefill_s)
-        passes_before = self.drafter.forward_passes
-        draft = controller.trim(self.drafter.propose(self.ids, plan.length, self.sampling, self.draws, plan.keep_going))
-        if not plan.leaves:
-            draft.alternatives = None
-        if draft.reading_s:  # a catch-up pass over all but the last unread token
-            controller.observe_reading(unread - 1, draft.reading_s)
-        draft.truncate(budget)  # a drafter may offer more than asked (n-gram runs)
-        self.stats.draft_passes += self.drafter.forward_passes - passes_before
-        return draft
+    @property
+    def drafter_unread(self) -> int:
+        """Committed tokens its drafter would read before drafting (all of them before it has read the prompt)."""
+        return self.drafter.unread(self.ids) if self.drafter_ready else self.ids.shape[1]
 
     def _choose(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         """The target's own token at `position` from its logits [1, V]: the argmax, or the request's draw."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from .bench.methods import build_methods, parse_spec_method
 from .bench.runner import BenchConfig, run_bench
 from .models import DEFAULT_DRAFT, ModelError
+from .drafters.spec import parse_drafter_spec
 from .pipeline import model_spec_of
 from .prompts import Prompt
 
@@ -32,12 +33,10 @@ def default_candidates(drafts: list[str]) -> list[str]:
     """Bench method names to try for these drafter specs: fixed draft lengths and adaptive."""
     out = []
     for draft in drafts:
-        # Few per drafter: on 2 CPU cores a 15-minute budget holds ~6 candidates x 6 prompts x 64 tokens.
+        # Few per drafter: a 15-minute budget holds ~6 candidates x 6 prompts x 64 tokens on 2 cores.
         if draft == "ngram":
             out += ["spec:ngram:5", "spec:ngram:a8"]
-        elif draft.startswith("self"):
-            out += [f"spec:{draft}:a8"]
-        elif draft.startswith("auto"):
+        elif parse_drafter_spec(draft).kind == "auto":
             out += [f"spec:{draft}:a8", f"spec:{draft}:5"]
         else:
             out += [f"spec:{draft}:a8"]
@@ -145,18 +144,19 @@ def exports(target: str, draft: str, k: int, adaptive: bool) -> dict:
     """The nearest equivalent settings in other engines, and what has none."""
     notes = []
     target_hub = HUB_IDS.get(target, target)
-    model = None if draft in ("none", "ngram") or draft.startswith("self") else model_spec_of(draft)
+    parsed = parse_drafter_spec(draft)
+    model = model_spec_of(parsed)
     model_hub = HUB_IDS.get(model, model) if model else None
-    uses_ngram = draft == "ngram" or draft.startswith("auto")
-    if draft.startswith("auto"):
+    uses_ngram = parsed.uses_lookups
+    if parsed.kind == "auto":
         notes.append("auto switches per step between n-gram lookup and the draft model; the engines below take one "
                      "method per server: the draft model is exported (n-gram settings are given where it pays to try both)")
-    if draft.startswith("self"):
+    if parsed.kind == "self":
         notes.append("self-speculation (the target's first layers) has no equivalent in vLLM, llama.cpp or transformers")
     if adaptive:
         notes.append(f"adaptive draft length (up to {k}) has no exact equivalent: vLLM and llama.cpp draft a fixed maximum "
                      "(llama.cpp stops early below --draft-p-min); transformers' 'heuristic' schedule adapts k by acceptance")
-    if model and ("+int8" in draft or "+int4" in draft or "+head" in draft or draft.startswith("auto")):
+    if model and (parsed.quant or "head" in parsed.options or parsed.kind == "auto"):
         notes.append("our int8/int4 draft weights and restricted draft head are specdecode's own; other engines use the draft as is")
     vllm = None
     if model_hub:

@@ -197,9 +197,9 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
         elif name == "hf-greedy":
             methods.append(HFMethod(name, target, eos, pad))
         elif name == "hf-assisted":
-            if default_draft in ("none", "ngram") or default_draft.startswith("self"):
-                raise ValueError(f"hf-assisted needs a draft model, but --draft is {default_draft!r}")
             model_spec = model_spec_of(default_draft)  # transformers gets the plain model, never our int8 one
+            if model_spec is None:
+                raise ValueError(f"hf-assisted needs a draft model, but --draft is {default_draft!r}")
             methods.append(HFMethod(name, target, eos, pad, assistant_model=drafter_for(model_spec).model))
             methods[-1].settings["assistant_model"] = model_spec
         elif name == "hf-pld":

@@ -44,7 +44,7 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     completion = generation.result()
     engine = decoder.engine
-    label = "plain" if decoder.drafter is None else f"speculative ({decoder.drafter.name}, {'adaptive k≤' if engine.controller else 'k='}{engine.k})"
+    label = "plain" if decoder.drafter is None else f"speculative ({decoder.drafter.name}, {'adaptive k≤' if engine.adaptive else 'k='}{engine.k})"
     rows = [(label, completion.stats.to_dict())]
     if args.compare and decoder.drafter is not None:
         err.print("[dim]running plain decoding for comparison ...[/dim]")

@@ -14,10 +14,16 @@ how many tokens to propose.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import priors
-from .batch import BatchPolicy
-from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
+from .batch import BatchDecision, BatchPolicy
+from .measurements import Measurements
+from .step import LOOKUP, MODEL, RowPlan, StepOutcome, StepPlan
+
+if TYPE_CHECKING:
+    from ..drafters.base import Draft
+    from ..sequence import Sequence
 
 
 @dataclass
@@ -37,10 +43,10 @@ class DraftPlan:
     def keep_going(self, drafted: int, confidence: float) -> bool:
         """After `drafted` tokens, the last with draft confidence `confidence`: draft one more?"""
         ctl = self.controller
-        t_draft = ctl.costs.draft_time() if ctl is not None else 0.0
+        t_draft = ctl.measured.costs.draft_time() if ctl is not None else 0.0
         if not t_draft:
             return True
-        accept, leaf_hit = ctl.calibrator.predict(confidence), ctl.leaf_hit_rate(self.leaves)
+        accept, leaf_hit = ctl.measured.calibrator.predict(confidence), ctl.measured.leaf_hit_rate(self.leaves)
         self.expected += self.survive * (accept + (1 - accept) * leaf_hit)  # this token, or a leaf at its place
         self.survive *= accept
         verify = lambda positions: ctl.verify_model_draft(positions, self.leaves, self.offered)  # noqa: E731
@@ -50,22 +56,6 @@ class DraftPlan:
         return gain / max(cost, 1e-9) > self.expected / max(self.elapsed, 1e-9)
 
 
-LOOKUP_POSITIONS = 32  # acceptance is learned per position up to here (later ones fare like the last)
-
-
-def match_class(match_len: int) -> int:
-    """Lookup drafts are told apart by how long a match they came from: 0 (none given), 1, 2, 3, 4-7, 8-15, 16+."""
-    return match_len if match_len < 4 else min(4 + (match_len.bit_length() - 3), 6)
-
-
-def _filled(accept: list[Ema]) -> list[float]:
-    """Acceptance by position, a position not yet judged taken as the one before it."""
-    values = []
-    for ema in accept:
-        values.append(ema.value if ema.value is not None else values[-1])
-    return values
-
-
 def _widths(draft) -> list[int]:
     """[n]: the pass's width for the draft's first n tokens with their tree leaves (0 <= n <= length)."""
     leaves = [0] * draft.length if draft.alternatives is None else (draft.alternatives[0] >= 0).sum(-1).tolist()
@@ -73,28 +63,6 @@ def _widths(draft) -> list[int]:
     for count in leaves:
         widths.append(widths[-1] + 1 + count)
     return widths
-
-
-class FixedK:
-    """Always draft k tokens (the classic setting), with whatever leaves the drafter offers."""
-
-    model_off = None
-
-    def __init__(self, k: int):
-        self.max_k = k
-
-    def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0, remaining=None,
-             generated=None) -> DraftPlan:
-        return DraftPlan(min(self.max_k, max_len), leaves=bool(leaves))
-
-    def lookup_length(self) -> int:
-        return self.max_k
-
-    def observe_reading(self, tokens: int, seconds: float) -> None:
-        pass
-
-    def trim(self, draft):
-        return draft
 
 
 class AdaptiveK:
@@ -110,15 +78,7 @@ class AdaptiveK:
 
     def __init__(self, max_k: int = 8, probe_every: int = priors.PROBE_EVERY, min_gain: float = priors.MIN_GAIN):
         self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
-        self.costs = CostModel()
-        self.calibrator = ConfidenceCalibrator()
-        self.first_accept = Ema(priors.EMA_ALPHA, priors.FIRST_ACCEPT)  # a step's first draft token, any confidence
-        self.pass_line = PassCostLine()  # one sequence's verify cost by width (the table serves batches)
-        # Lookup drafts (no confidence), by (source, match class): P(accept position j | the positions before accepted)
-        self.position_accept: dict[tuple[str, int], list[Ema]] = {}
-        # At a rejection one of the tree leaves is the target's correction this often (one more token)
-        self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
-        self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
+        self.measured = Measurements()
         self.plain_steps = 0
         self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
         self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
@@ -126,52 +86,59 @@ class AdaptiveK:
         # Doubles while lookup probes are rejected (a verified position costs ~60 % of a pass on llama.cpp)
         self.lookup_probe_interval = probe_every
         self.model_off: str | None = None  # why model drafts are off on this machine (None: they may pay)
-        self.batch = BatchPolicy(self)
+        self.batch = BatchPolicy(self.measured, max_k, probe_every)
+        self.rows = 1  # rows in the step being planned (a row's share of the pass)
+        self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
+
+    @property
+    def costs(self):
+        return self.measured.costs
+
+    @property
+    def pass_line(self):
+        return self.measured.pass_line
 
     # --- the cost of a step, as measured -----------------------------------------------------------
 
     def _verify(self, positions: int) -> float:
         """This row's share of a verify pass where every row scores `positions` positions."""
-        rows = self.batch.rows
-        t = self.pass_line.time(positions) if rows == 1 else None
+        rows = self.rows
+        t = self.measured.pass_line.time(positions) if rows == 1 else None
         if t is None:
-            t = self.costs.verify_time(positions, rows)
+            t = self.measured.costs.verify_time(positions, rows)
         return t / rows if t is not None else 0.0
-
-    def leaf_hit_rate(self, leaves: bool) -> float:
-        return self.leaf_hit.value if leaves else 0.0
 
     def verify_model_draft(self, positions: int, leaves: bool, offered: int = 0) -> float:
         """A pass over [last] + positions - 1 model-drafted tokens and, if on, their leaves (`offered` per token
         until the drafter's actual count is measured)."""
         per_token = 0.0
         if leaves:
-            per_token = self.leaves_per_token.value if self.leaves_per_token.value is not None else offered
+            per_token = self.measured.leaves_per_token.value if self.measured.leaves_per_token.value is not None else offered
         return self._verify(1 + (positions - 1) * (1 + per_token))
 
     def _speculative_rate(self, leaves: bool, offered: int = 0) -> float:
         """Expected tokens per second of a one-token draft (the on/off rule's yardstick)."""
-        a = self.first_accept.value
+        a = self.measured.first_accept.value
         verify = self.verify_model_draft(2, leaves, offered)
-        return (1 + a + (1 - a) * self.leaf_hit_rate(leaves)) / (self.costs.draft_time() + verify)
+        return (1 + a + (1 - a) * self.measured.leaf_hit_rate(leaves)) / (self.measured.costs.draft_time() + verify)
 
     def _best_case_rate(self, t_plain: float, max_len: int, accept: float = 1.0) -> float:
         """Tokens per second of the best draft length if the target accepted each drafted token with probability
         `accept` (1: every one), with passes priced by the pass table (measured by width at load, then every step;
         interpolated between): a line through a curve that is flat in places made a hopeless draft look as if it
         could pay on llama.cpp."""
-        t_draft = self.costs.draft_time()
+        t_draft = self.measured.costs.draft_time()
 
         def expected(k: int) -> float:  # 1 + accept + ... + accept^k
             return k + 1 if accept >= 1 else (1 - accept ** (k + 1)) / (1 - accept)
 
-        return max(expected(k) / (k * t_draft + self.costs.verify_time(k + 1)) for k in range(1, max(max_len, 1) + 1))
+        return max(expected(k) / (k * t_draft + self.measured.costs.verify_time(k + 1)) for k in range(1, max(max_len, 1) + 1))
 
     def model_can_pay(self, max_len: int) -> bool:
         """Whether a model draft could beat plain decoding on this machine at the best acceptance drafts reach
         (BEST_ACCEPT per token), from the measured costs. Where it cannot, the draft model reads no prompt and runs
         no probe: only lookups are drafted (`model_off` says why)."""
-        t_plain, t_draft = self.costs.verify_time(1), self.costs.draft_time()
+        t_plain, t_draft = self.measured.costs.verify_time(1), self.measured.costs.draft_time()
         if t_plain is None or not t_draft:
             return True  # not measured yet: nothing says it cannot
         best = self._best_case_rate(t_plain, max_len, self.BEST_ACCEPT) * t_plain
@@ -186,20 +153,73 @@ class AdaptiveK:
         """Leaves pay where a wider pass is nearly free (AVX-512 bf16: 25 positions ~ 9) and lose where every position
         costs (AVX2 with emulated bf16: 170 ms each): decided from the measured slope, one draft token's worth."""
         return bool(offered) and (
-            self.pass_line.slope is None or self._speculative_rate(True, offered) >= self._speculative_rate(False))
+            self.measured.pass_line.slope is None or self._speculative_rate(True, offered) >= self._speculative_rate(False))
+
+    # --- the engine's step (control.step.Controller) -------------------------------------------------
+
+    def plan_step(self, rows: list[Sequence], trees: bool) -> StepPlan:
+        """Every row's draft: the batch's cap first (the pass is as wide as its widest row), then each row by the
+        single-sequence rule under it. A batch size whose plain pass is not measured yet runs one plain step first:
+        drafting there is priced against it."""
+        n = len(rows)
+        if not self.measured.costs.measured(1, n):
+            return StepPlan([RowPlan() for _ in rows])
+        self.rows = n
+        drafting = [seq for seq in rows if seq.drafter is not None]
+        unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
+        batch = self.batch.plan(n, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
+        lookup_only = n > 1 and batch.cap == 0  # model drafting does not pay for this batch; free lookups still may
+        return StepPlan([self._row(seq, trees, batch, lookup_only) for seq in rows], batch.cap, lookup_only)
+
+    def _row(self, seq: Sequence, trees: bool, batch: BatchDecision, lookup_only: bool) -> RowPlan:
+        budget = seq.draft_budget
+        if seq.drafter is None or budget <= 0:
+            return RowPlan()
+        if lookup_only:  # the batch cuts every row's lookup to one length (fit)
+            return RowPlan(LOOKUP, seq.k)
+        offered = seq.drafter.alternatives if trees else 0
+        if seq.drafter.free:  # nothing to read, no model pass: its measured gain decides its length (fit)
+            return RowPlan(LOOKUP, self.lookup_length(), bool(offered))
+        plan = self.plan(min(budget, seq.k), seq.drafter_ready, seq.drafter_unread, offered, remaining=budget,
+                         generated=seq.generated, batch=batch)
+        if plan.length == 0:  # model drafting does not pay this step; a lookup that costs nothing still may
+            return RowPlan(LOOKUP, self.lookup_length(), bool(offered))
+        return RowPlan(MODEL, plan.length, plan.leaves, plan.keep_going, read_prompt=not seq.drafter_ready)
+
+    def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
+        if plan.lookup_only:
+            keep = self.batch.plan_free(len(rows), drafts)
+            for draft in drafts:
+                draft.truncate(keep)
+            return
+        for draft in drafts:
+            self.trim(draft)
+
+    def observe(self, outcome: StepOutcome) -> None:
+        for row in outcome.rows:
+            for tokens, seconds in row.readings:
+                self.observe_reading(tokens, seconds)
+        if outcome.row_ids != self._rows_seen:  # a row joined or left
+            self.rows_changed()
+            self._rows_seen = outcome.row_ids
+        self.observe_pass(outcome.positions, len(outcome.row_ids), outcome.verify_s)
+        for row in outcome.rows:
+            self.observe_row(row.source, row.confidence, row.drafted, row.accepted, row.draft_s, row.leaf_used,
+                             row.positions, row.match_len)
 
     # --- one row's decision ------------------------------------------------------------------------
 
     def plan(self, max_len: int, ready: bool = True, unread: int = 0, leaves: int = 0,
-             remaining: int | None = None, generated: int | None = None) -> DraftPlan:
+             remaining: int | None = None, generated: int | None = None, batch: BatchDecision | None = None) -> DraftPlan:
         """This step's plan for a row that may draft up to max_len tokens. ready: its drafter has read the prompt;
         unread: tokens it would have to read before drafting; leaves: runner-ups the drafter offers per token
         (0: none, or the engine cannot verify them); remaining: tokens the request may still make (default max_len);
-        generated: tokens it has made so far (default: as many as remain)."""
+        generated: tokens it has made so far (default: as many as remain); batch: what the batch policy decided for
+        the step (None or no cap: the row is alone, the single-sequence rule)."""
         if max_len <= 0:
             return DraftPlan(0)
-        if self.batch.cap is not None:  # the batch decided
-            return DraftPlan(self.batch.row_length(max_len, ready), controller=self, elapsed=self._verify(1))
+        if batch is not None and batch.cap is not None:
+            return DraftPlan(batch.row_length(max_len, ready), controller=self, elapsed=self._verify(1))
         with_leaves = self._leaves_pay(leaves)
         remaining = max_len if remaining is None else remaining
         generated = remaining if generated is None else generated
@@ -210,8 +230,8 @@ class AdaptiveK:
                 generated: int) -> int:
         # The gate compares with plain passes as measured: the line's level fits wide passes, and where the first
         # positions cost most (AVX2 bf16: 1 -> 5 positions x4) it put a plain pass 25 % too dear.
-        t_plain, t_draft = self.costs.verify_time(1), self.costs.draft_time()
-        if not self.costs.measured(1):  # first a plain pass: drafting is judged against it (a plain step never loses)
+        t_plain, t_draft = self.measured.costs.verify_time(1), self.measured.costs.draft_time()
+        if not self.measured.costs.measured(1):  # first a plain pass: drafting is judged against it (a plain step never loses)
             return 0
         # A drafter that has not read the prompt costs nothing until it is expected to pay: not where even its best
         # case loses, and not before the answer has run long enough to earn the reading back.
@@ -253,7 +273,7 @@ class AdaptiveK:
         is the best guess of what is left; a bet on max_new_tokens lost on short answers), and only when the tokens
         left could earn it back. Where drafting is not expected to pay, it is not read for a probe: probes are for
         drafters in step with the text (a reading for a probe cost 10 % of a 400-token answer on AVX2 fp32)."""
-        per_token = self.costs.draft_prefill_token_s.value
+        per_token = self.measured.costs.draft_prefill_token_s.value
         if per_token is None or not unread:
             return True
         spec_rate = self._speculative_rate(with_leaves, offered)
@@ -262,50 +282,28 @@ class AdaptiveK:
         saving = max(t_plain - 1 / spec_rate, 0.0)  # seconds a drafted token saves
         return min(generated, remaining) * saving >= self.READ_PAYBACK * unread * per_token
 
-    def expected_accepted(self, source: str, length: int, match_len: int = 0) -> list[float]:
-        """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (a lookup), from the
-        measured acceptance by position of drafts from that source with a match of about that length."""
-        accept = _filled(self._position_accept(source, match_len))
-        expected, survive, total = [], 1.0, 0.0
-        for j in range(length):
-            survive *= accept[min(j, len(accept) - 1)]
-            total += survive
-            expected.append(total)
-        return expected
-
-    def _position_accept(self, source: str, match_len: int) -> list[Ema]:
-        """Position 0 starts from the prior; a later position, until it is first judged, fares as the one before it
-        (given the tokens before were right, the next one is no less likely): a prior of its own, lower, kept lookups
-        at one token forever, since a position never drafted is never measured (code edits: 99 % of 1-token lookups
-        accepted)."""
-        key = (source, match_class(match_len))
-        if key not in self.position_accept:
-            first = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
-            self.position_accept[key] = [Ema(priors.EMA_ALPHA, first if j == 0 else None) for j in range(LOOKUP_POSITIONS)]
-        return self.position_accept[key]
-
     def lookup_length(self) -> int:
         """The longest lookup draft worth proposing: what the widest pass measured can verify (at least max_k)."""
-        return max(self.max_k, self.costs.widest() - 1)
+        return max(self.max_k, self.measured.costs.widest() - 1)
 
     def trim(self, draft):
         """Cut a draft made all at once (no confidence: a lookup) to the length that maximises expected tokens per
         second, from its source's measured acceptance by position and match length and the pass's measured cost by
         width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
         passes."""
-        if draft.confidence is not None or draft.length == 0 or self.costs.verify_time(1, self.batch.rows) is None:
+        if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
-        width, rows = _widths(draft), self.batch.rows
+        width, rows = _widths(draft), self.rows
         # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
-        verify = lambda positions: self.costs.verify_time(positions, rows) / rows  # noqa: E731
+        verify = lambda positions: self.measured.costs.verify_time(positions, rows) / rows  # noqa: E731
         best_len, best_rate = 0, 1 / max(verify(1), 1e-9)
-        for n, accepted in enumerate(self.expected_accepted(draft.source, draft.length, draft.match_len), 1):
+        for n, accepted in enumerate(self.measured.expected_accepted(draft.source, draft.length, draft.match_len), 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
             if rate > best_rate:
                 best_len, best_rate = n, rate
-        widest = self.costs.widest()
-        if self.batch.rows == 1 and width[best_len] == widest and draft.length > best_len:
+        widest = self.measured.costs.widest()
+        if rows == 1 and width[best_len] == widest and draft.length > best_len:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
@@ -321,18 +319,18 @@ class AdaptiveK:
 
     def observe_reading(self, tokens: int, seconds: float) -> None:
         """A drafter read `tokens` committed tokens (its prompt, or a catch-up after plain steps) in `seconds`."""
-        self.costs.observe_draft_prefill(tokens, seconds)
+        self.measured.costs.observe_draft_prefill(tokens, seconds)
 
     def rows_changed(self) -> None:
         """A row joined or left: the next passes are not comparable with the last one's (pass line)."""
-        self.pass_line.new_context()
+        self.measured.pass_line.new_context()
 
     def observe_pass(self, positions: int, rows: int, seconds: float) -> None:
         """A verify pass of `rows` rows x `positions` positions (the batch's widest draft + 1) took `seconds`.
         A row alone's passes also draw its pass line."""
-        self.costs.observe_verify(positions, seconds, rows)
+        self.measured.costs.observe_verify(positions, seconds, rows)
         if rows == 1:
-            self.pass_line.observe(positions, seconds)
+            self.measured.pass_line.observe(positions, seconds)
 
     def observe_row(
         self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
@@ -341,25 +339,20 @@ class AdaptiveK:
         """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
         a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
         more than drafted + 1 with leaves; match_len: a lookup draft's match)."""
-        before = self.costs.draft_token_s.get(source)
+        before = self.measured.costs.draft_token_s.get(source)
         if drafted and before is not None and before.value and draft_s / drafted < self.REGIME_CHANGE * before.value:
             self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
-        self.costs.observe_draft(source, drafted, draft_s)
+        self.measured.costs.observe_draft(source, drafted, draft_s)
         if leaf_used is not None and drafted and positions:
-            self.leaves_per_token.update((positions - 1 - drafted) / drafted)
+            self.measured.leaves_per_token.update((positions - 1 - drafted) / drafted)
         if leaf_used is not None and accepted < drafted:
-            self.leaf_hit.update(1.0 if leaf_used else 0.0)
+            self.measured.leaf_hit.update(1.0 if leaf_used else 0.0)
         if not drafted:
             return
-        self.first_accept.update(1.0 if accepted else 0.0)
+        self.measured.first_accept.update(1.0 if accepted else 0.0)
         if confidences:
-            self.calibrator.update(confidences, accepted)
+            self.measured.calibrator.update(confidences, accepted)
         else:
             if accepted:
                 self.lookup_probe_interval = self.probe_every
-            accept = self._position_accept(source, match_len)
-            before = _filled(accept)
-            for j in range(min(drafted, accepted + 1, len(accept))):
-                if accept[j].value is None:  # first judged: from what it was assumed to be
-                    accept[j].value = before[j]
-                accept[j].update(1.0 if j < accepted else 0.0)
+            self.measured.observe_lookup(source, match_len, drafted, accepted)

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from . import priors
+from .measurements import Measurements
 
-if TYPE_CHECKING:
-    from .adaptive import AdaptiveK
+
+@dataclass
+class BatchDecision:
+    """The batch's draft cap for one step (None: a row alone, decided by the single-sequence rule; 0: no model
+    drafts). During a probe only `probe_rows` rows (those whose drafter has read its prompt) may draft."""
+
+    rows: int
+    cap: int | None
+    probe_rows: int | None = None
+
+    def row_length(self, max_len: int, ready: bool) -> int:
+        """How much one row may draft under the cap (a probe: the first ready row one token, the others none)."""
+        if not self.cap:
+            return 0
+        if self.probe_rows is not None:
+            if self.probe_rows == 0 or not ready:
+                return 0
+            self.probe_rows -= 1
+        return min(self.cap, max_len)
 
 
 class BatchPolicy:
@@ -15,68 +33,49 @@ class BatchPolicy:
     time (rows draft one after another) and verifying costs a pass of rows x (k + 1) tokens. As the batch grows
     verification stops being free and the cap falls to 0 (plain decoding). Within the cap, each row still stops
     early by the single-sequence marginal rule, charged its share of the pass. When the cap is 0, drafts that cost
-    no model pass (n-gram lookups) may still pay: `plan_free` picks how much of them to verify.
-    It reads the measurements of the controller it belongs to."""
+    no model pass (n-gram lookups) may still pay: `plan_free` picks how much of them to verify."""
 
     BATCH_MIN_GAIN = priors.BATCH_MIN_GAIN
     FREE_MIN_GAIN = priors.FREE_MIN_GAIN
 
-    def __init__(self, measured: AdaptiveK):
-        self.measured = measured
-        self.rows = 1  # rows in the current batch
-        self.cap: int | None = None  # the batch's draft cap this step (None: one row, the single-sequence rule)
+    def __init__(self, measured: Measurements, max_k: int, probe_every: int = priors.PROBE_EVERY):
+        self.measured, self.max_k, self.probe_every = measured, max_k, probe_every
         self.plain_steps = 0
-        self._probe_rows: int | None = None  # during a probe: how many more rows may draft
         self.decisions: dict[int, list[int]] = {}  # rows -> [plain steps, speculative steps]
 
-    def plan(self, rows: int, unread_prompt_tokens: int = 0, ready_rows: int | None = None) -> int:
-        """The most any row may draft this step (0: plain step for all) for a batch of `rows` rows.
-        unread_prompt_tokens: prompt tokens the drafters of rows that never drafted would have to read
-        first (a one-off cost a drafting step pays). ready_rows: rows whose drafter has read its prompt
-        (None: all); a probe uses one of them, and is skipped when there is none, so it never pays a
-        prompt reading. Lookup drafts (`plan_free`) are planned apart: the cost here is the model's."""
-        ctl = self.measured
-        self.rows = rows
+    def plan(self, rows: int, unread_prompt_tokens: int = 0, ready_rows: int | None = None) -> BatchDecision:
+        """The most any row may draft this step for a batch of `rows` rows. unread_prompt_tokens: prompt tokens the
+        drafters of rows that never drafted would have to read first (a one-off cost a drafting step pays).
+        ready_rows: rows whose drafter has read its prompt (None: all); a probe uses one of them, and is skipped when
+        there is none, so it never pays a prompt reading. Lookup drafts (`plan_free`) are planned apart: the cost
+        here is the model's."""
         if rows == 1:
-            self.cap = None
-            return ctl.max_k
-        self._probe_rows = None
-        costs = ctl.costs
+            return BatchDecision(1, None)
+        costs = self.measured.costs
         t = lambda positions: costs.verify_time(positions, rows)  # noqa: E731
         t_draft = costs.draft_time() if costs.draft_token_s else None
-        alpha = min(ctl.first_accept.value, 0.99)
+        alpha = min(self.measured.first_accept.value, 0.99)
         # Nothing measured yet (a server that starts under load): no model drafting on a guess. A whole batch
-        # drafting at full length, every row first reading its prompt, cost 5 s in one step on the Qwen pair.
-        best_k = 0
+        # drafting at full length, every row first reading its prompt, is the dearest step there is.
+        best_k, probe_rows = 0, None
         if t(1) is not None and t_draft is not None:
             best_rate = self.BATCH_MIN_GAIN * rows / t(1)
             catch_up = unread_prompt_tokens * (costs.draft_prefill_token_s.value or 0.0)
-            for k in range(1, ctl.max_k + 1):
+            for k in range(1, self.max_k + 1):
                 expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
                 rate = expected / (rows * k * t_draft + t(k + 1) + catch_up)
                 if rate > best_rate:
                     best_k, best_rate = k, rate
             if best_k == 0:
                 self.plain_steps += 1
-                if self.plain_steps >= ctl.probe_every * rows:  # now and then, see if drafting pays again
+                if self.plain_steps >= self.probe_every * rows:  # now and then, see if drafting pays again
                     self.plain_steps = 0
                     if ready_rows is None or ready_rows > 0:
-                        best_k, self._probe_rows = 1, 1  # cheaply: one row, one token
+                        best_k, probe_rows = 1, 1  # cheaply: one row, one token
             else:
                 self.plain_steps = 0
         self.decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
-        self.cap = best_k
-        return best_k
-
-    def row_length(self, max_len: int, ready: bool) -> int:
-        """How much one row may draft under the cap (a probe: the first ready row one token, the others none)."""
-        if self.cap == 0:
-            return 0
-        if self._probe_rows is not None:
-            if self._probe_rows == 0 or not ready:
-                return 0
-            self._probe_rows -= 1
-        return min(self.cap, max_len)
+        return BatchDecision(rows, best_k, probe_rows)
 
     def plan_free(self, rows: int, drafts: list) -> int:
         """When model drafting does not pay for the batch: how many tokens of each row's free (lookup)

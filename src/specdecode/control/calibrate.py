@@ -11,9 +11,11 @@ import torch
 from ..sampling import SamplingParams
 from .adaptive import AdaptiveK
 
-WIDTHS = (1, 2, 4, 8, 16, 32)  # lookups verify long drafts where wide passes are cheap: measured, not extrapolated
+# Lookups verify long drafts where wide passes are cheap, and a batch's pass scores rows x positions: passes are
+# measured up to the widest the engine will run, not extrapolated (past the widest measured, CostModel guesses dear).
+WIDEST = 32
 TIMED_TWICE = 8  # widths up to this are timed twice (the faster counts): model drafts live there
-PROMPT_TOKENS = 32
+PROMPT_TOKENS = 32  # the drafter's reading is timed on this many
 DRAFT_TOKENS = 4
 # Wider passes are not measured once a pass of width w costs w plain passes: not even a draft accepted whole gains
 # there (wider ones may still: llama.cpp on an AVX-512 EPYC measured 1.7x plain at width 2 and 2.9x at width 4).
@@ -25,16 +27,24 @@ def too_wide(passes: dict[int, float], width: int) -> bool:
     return any(seconds > STOP_SHARE * w * passes[1] for w, seconds in passes.items() if 1 < w < width)
 
 
-def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
-    """Time the backend's passes (a scratch row, removed after) and the drafter's reading and drafting (reset after);
-    feed the controller as the engine would. Returns what was measured, in seconds."""
-    prompt = (torch.arange(PROMPT_TOKENS) * 7 + 100).remainder(backend.vocab_size)[None]
+def widths(widest: int = WIDEST) -> list[int]:
+    """Powers of two up to `widest`, and `widest` itself."""
+    out = [1]
+    while out[-1] * 2 < widest:
+        out.append(out[-1] * 2)
+    return out + [widest] if widest > 1 else out
+
+
+def calibrate(controller: AdaptiveK, backend, drafter=None, widest: int = WIDEST) -> dict:
+    """Time the backend's passes up to `widest` positions (a scratch row, removed after) and the drafter's reading and
+    drafting (reset after); feed the controller as the engine would. Returns what was measured, in seconds."""
+    prompt = (torch.arange(max(widest, PROMPT_TOKENS)) * 7 + 100).remainder(backend.vocab_size)[None]
     measured: dict = {"verify_s": {}}
     backend.add_row(prompt)  # also brings the weights into memory (the first pass over a fresh mmap is slow)
     try:
         passes = measured["verify_s"]
         for round_ in range(2):  # the faster of two: a hiccup must not make a width look dear
-            for width in WIDTHS:
+            for width in widths(widest):
                 if (round_ and width > TIMED_TWICE) or too_wide(passes, width):
                     break
                 t0 = time.perf_counter()
@@ -48,7 +58,7 @@ def calibrate(controller: AdaptiveK, backend, drafter=None) -> dict:
         backend.drop_cached_prefixes()  # the scratch row is no prompt anyone will send (it is read at load)
     controller.rows_changed()
     if drafter is not None:
-        measured.update(_calibrate_drafter(controller, drafter, prompt))
+        measured.update(_calibrate_drafter(controller, drafter, prompt[:, :PROMPT_TOKENS]))
     return measured
 
 

@@ -10,7 +10,7 @@ LEAF_HIT_ALPHA = 0.1  # a leaf hit is learned only at rejections, a rare and noi
 # Acceptance before anything is judged
 FIRST_ACCEPT = 0.6  # a step's first draft token; the Qwen pair measured 0.55-0.8 by task, so drafting starts hopeful
 CALIBRATION_WEIGHT = 4.0  # each confidence bin starts as 4 judged tokens on the identity (a calibrated draft)
-# A lookup draft's first token by match class (adaptive.match_class: unknown, 1, 2, 3, 4-7, 8-15, 16+ tokens): a
+# A lookup draft's first token by match class (measurements.match_class: unknown, 1, 2, 3, 4-7, 8-15, 16+ tokens): a
 # longer match predicts copying better (unknown: no better guess than a coin).
 # Suffix drafts on the Qwen pair's code edits measured 0.40, 0.48, 0.40, 0.68, 0.60, 0.98-1.0; short ones rounded
 # towards 0.5 (a prior that says "never" is never corrected), long ones kept high: where a wide pass costs ~11 plain

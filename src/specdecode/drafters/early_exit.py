@@ -71,7 +71,7 @@ class SelfDrafter(ModelDrafter):
 
     def __init__(self, target, layers: int | None = None, tokenizer=None):
         self.target, self.tokenizer, self.layers = target, tokenizer, None
-        self.name = "self"
+        self.name, self.head, self.calibrated = "self", None, False  # ModelDrafter's own init runs once a depth pays
         if layers is not None:
             self._use(layers)
 
@@ -89,8 +89,11 @@ class SelfDrafter(ModelDrafter):
     def check_vocab(self, vocab_size: int, tokenizer=None) -> None:
         pass  # the target's own head
 
+    def unread(self, input_ids: torch.Tensor) -> int:
+        return super().unread(input_ids) if self.layers is not None else 0
+
     def prefill(self, prompt_ids: torch.Tensor) -> None:
-        if self.layers is None and not getattr(self, "calibrated", False):
+        if self.layers is None and not self.calibrated:
             self.calibrated = True
             layers, _ = calibrate_layers(self.target, prompt_ids)
             if layers is not None:

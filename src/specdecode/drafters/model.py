@@ -59,7 +59,7 @@ class ModelDrafter(Drafter):
 
     def spawn(self) -> "ModelDrafter":
         twin = copy.copy(self)
-        twin.head = copy.copy(getattr(self, "head", None))  # the per-prompt part of the head is per sequence
+        twin.head = copy.copy(self.head)  # the per-prompt part of the head is per sequence
         twin.forward_passes = 0
         twin.reset()
         return twin

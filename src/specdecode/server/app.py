@@ -249,48 +249,37 @@ async def _events(request: Request, service: Service, handle: Handle):
             service.cancel(handle)
 
 
-async def _respond(request: Request, service: Service, handle: Handle, body: SamplingFields, prompt_tokens: int, chat: bool):
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    head = {"id": rid, "created": int(time.time()), "model": service.model_name}
-    logprobs_of = LogprobFormat(service.tokenizer, chat) if body.top_logprobs_wanted() is not None else None
+class _Reply:
+    """The OpenAI shapes of one request's answer: its id, choices and usage."""
 
-    def usage() -> dict:
-        n = len(handle.seq.result.token_ids)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
-                "prompt_tokens_details": {"cached_tokens": handle.seq.stats.cached_prompt_tokens}}
+    def __init__(self, service: Service, handle: Handle, body: SamplingFields, prompt_tokens: int, chat: bool):
+        self.handle, self.prompt_tokens, self.chat = handle, prompt_tokens, chat
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.head = {"id": rid, "created": int(time.time()), "model": service.model_name}
+        self.logprobs_of = LogprobFormat(service.tokenizer, chat) if body.top_logprobs_wanted() is not None else None
 
-    def choice(text: str | None, finish: str | None, entries, stream: bool) -> dict:
-        lp = logprobs_of(entries) if logprobs_of is not None and (entries or not stream) else None
-        if not chat:
+    def usage(self) -> dict:
+        n = len(self.handle.seq.result.token_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n,
+                "prompt_tokens_details": {"cached_tokens": self.handle.seq.stats.cached_prompt_tokens}}
+
+    def choice(self, text: str | None, finish: str | None, entries, stream: bool) -> dict:
+        lp = self.logprobs_of(entries) if self.logprobs_of is not None and (entries or not stream) else None
+        if not self.chat:
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         if stream:
             return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish, "logprobs": lp}
         return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": lp}
 
-    if not body.stream:
-        pieces, finish = [], None
-        async with aclosing(_events(request, service, handle)) as events:  # closing it cancels an unfinished row
-            async for kind, value in events:
-                if kind == "text":
-                    pieces.append(value[0])
-                elif kind == "error":
-                    return _error(*value)
-                else:
-                    finish = value
-        if finish is None:  # the client went away
-            return Response(status_code=499)
-        stats = handle.seq.stats
-        return {
-            **head, "object": "chat.completion" if chat else "text_completion",
-            "choices": [choice("".join(pieces), finish, handle.seq.result.logprobs, stream=False)], "usage": usage(),
-            "speculation": {"drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
-                            "target_passes": stats.target_passes, "plain_steps": stats.plain_steps},
-        }
 
+async def _respond(request: Request, service: Service, handle: Handle, body: SamplingFields, prompt_tokens: int, chat: bool):
+    reply = _Reply(service, handle, body, prompt_tokens, chat)
+    if not body.stream:
+        return await _respond_whole(request, service, handle, reply)
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def sse(payload: dict) -> str:
-        return f"data: {json.dumps({**head, 'object': obj, **payload})}\n\n"
+        return f"data: {json.dumps({**reply.head, 'object': obj, **payload})}\n\n"
 
     async def stream():
         if chat:
@@ -298,18 +287,40 @@ async def _respond(request: Request, service: Service, handle: Handle, body: Sam
         async with aclosing(_events(request, service, handle)) as events:  # a client that hangs up closes it
             async for kind, value in events:
                 if kind == "text":
-                    yield sse({"choices": [choice(value[0], None, value[1], stream=True)]})
+                    yield sse({"choices": [reply.choice(value[0], None, value[1], stream=True)]})
                 elif kind == "error":  # the stream still ends as every stream does
                     yield f"data: {json.dumps(error_body(*value))}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 else:
-                    yield sse({"choices": [choice(None if chat else "", value, None, stream=True)]})
+                    yield sse({"choices": [reply.choice(None if chat else "", value, None, stream=True)]})
                     if body.stream_options is not None and body.stream_options.include_usage:
-                        yield sse({"choices": [], "usage": usage()})
+                        yield sse({"choices": [], "usage": reply.usage()})
                     yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+async def _respond_whole(request: Request, service: Service, handle: Handle, reply: _Reply):
+    pieces, finish = [], None
+    async with aclosing(_events(request, service, handle)) as events:  # closing it cancels an unfinished row
+        async for kind, value in events:
+            if kind == "text":
+                pieces.append(value[0])
+            elif kind == "error":
+                return _error(*value)
+            else:
+                finish = value
+    if finish is None:  # the client went away
+        return Response(status_code=499)
+    stats = handle.seq.stats
+    return {
+        **reply.head, "object": "chat.completion" if reply.chat else "text_completion",
+        "choices": [reply.choice("".join(pieces), finish, handle.seq.result.logprobs, stream=False)],
+        "usage": reply.usage(),
+        "speculation": {"drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+                        "target_passes": stats.target_passes, "plain_steps": stats.plain_steps},
+    }
 
 
 class LogprobFormat:
