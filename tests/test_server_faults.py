@@ -240,6 +240,7 @@ def test_only_a_prompt_empty_after_the_template_is_refused(server):
     assert "empty after the chat template" in error["message"] and error["param"] == "messages"
 
 
+@pytest.mark.models
 def test_a_name_is_used_where_the_template_has_one_and_refused_where_not(server, tokenizer):
     error = error_of(post(server, "/v1/chat/completions", dict(
         model=MODEL, messages=[{"role": "user", "content": "w5", "name": "w9"}], max_tokens=3)))

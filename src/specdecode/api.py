@@ -54,12 +54,12 @@ def generate(
         drafter, k = NgramDrafter(), prompt_lookup_num_tokens
     else:
         drafter, k = None, num_assistant_tokens
+    engine = SpeculativeEngine(model, drafter, tokenizer=tokenizer, k=k)
     if eos_token_id is None:
-        eos = eos_token_ids(model, tokenizer)
+        eos = eos_token_ids(engine.backend, tokenizer)
     else:
         eos = frozenset(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])
     sampling = SamplingParams(temperature=temperature if do_sample else 0.0, top_k=top_k, top_p=top_p, seed=seed)
-    engine = SpeculativeEngine(model, drafter, tokenizer=tokenizer, k=k)
     result = engine.generate(
         input_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=StopCondition(eos, tuple(stop_strings or ()), tokenizer)
     ).result()

@@ -14,12 +14,9 @@ import torch
 _MARK = "\ue000specdecode-content-{}\ue001"
 
 
-def eos_token_ids(model, tokenizer) -> frozenset[int]:
-    """Every token that ends a turn: the generation config's EOS ids and the tokenizer's."""
-    ids = set(getattr(model, "eos_token_ids", ()))  # a backend knows its own
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    ids.add(getattr(tokenizer, "eos_token_id", None))
+def eos_token_ids(backend, tokenizer) -> frozenset[int]:
+    """Every token that ends a turn: the target's own (a Backend knows them) and the tokenizer's."""
+    ids = set(backend.eos_token_ids) | {getattr(tokenizer, "eos_token_id", None)}
     return frozenset(i for i in ids if i is not None)
 
 

@@ -6,7 +6,7 @@ import sys
 
 from .base import Backend, BackendError
 
-__all__ = ["BACKENDS", "Backend", "BackendError", "as_backend", "choose_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendError", "as_backend", "choose_backend", "load_target", "weights_for"]
 
 BACKENDS = ("auto", "torch", "llama.cpp")
 
@@ -45,3 +45,34 @@ def choose_backend(name: str, spec: str) -> str:
               "pip install llama-cpp-python==0.3.36 for llama.cpp)", file=sys.stderr)
         return "torch"
     return "llama.cpp"
+
+
+def load_target(spec: str, backend: str = "auto", *, dtype=None, threads: int | None = None, max_rows: int = 1,
+                prefix_cache: bool = True) -> tuple[Backend, object]:
+    """(the target as a Backend, its tokenizer) from a model spec; backend as in `choose_backend`. llama.cpp holds up to
+    `max_rows` rows side by side (torch holds as many as memory allows)."""
+    import torch
+
+    from ..models import gguf_file, load_model, load_tokenizer
+
+    if choose_backend(backend, spec) == "llama.cpp":
+        from .llamacpp import LlamaCppBackend
+
+        # torch only samples and compares logits here: its idle worker threads would spin beside llama.cpp's.
+        torch.set_num_threads(1)
+        target = LlamaCppBackend(gguf_file(spec), threads=threads, max_rows=max_rows, prefix_cache=prefix_cache)
+        return target, load_tokenizer(spec)
+    if threads:
+        torch.set_num_threads(threads)
+    from .torchmodel import TorchBackend
+
+    model, tokenizer = load_model(spec, dtype=dtype)
+    return TorchBackend(model, prefix_cache=prefix_cache), tokenizer
+
+
+def weights_for(spec: str, backend: str = "auto"):
+    """Where the backend that would run `spec` reads its weights, fetching them first: llama.cpp reads the GGUF itself;
+    torch needs a one-off conversion (~10 GB in fp32 for the Qwen pair)."""
+    from ..models import gguf_file, prepare
+
+    return gguf_file(spec) if choose_backend(backend, spec) == "llama.cpp" else prepare(spec)

@@ -14,10 +14,15 @@ rejected tokens), a prefix plus a leaf for a tree (the leaf's K/V move to the sl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .prefix import PrefixCache
+
+if TYPE_CHECKING:
+    from ..drafters.base import Drafter
 
 
 class BackendError(RuntimeError):
@@ -41,6 +46,30 @@ class Backend(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    @property
+    def device(self) -> str:
+        """Where its passes run."""
+        return "cpu"
+
+    @property
+    def hf_model(self):
+        """The transformers model it runs (None: it runs none): transformers' own baselines and self-drafting need it."""
+        return None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        """The GGUF file it runs (None: none): llama.cpp's own baselines need it."""
+        return None
+
+    def build_info(self) -> str | None:
+        """What its kernels were built for (for benchmark reports; None: nothing to add)."""
+        return None
+
+    @abstractmethod
+    def make_drafter(self, spec: str | None, *, dtype=None, tokenizer=None, compile_draft: bool = False,
+                     threads: int | None = None) -> Drafter | None:
+        """A drafter for this target from a drafter spec (drafters/spec.py): draft models run as this backend runs."""
 
     @property
     @abstractmethod
@@ -86,6 +115,15 @@ class Backend(ABC):
     def keep(self, kept: list[list[int]]) -> None:
         """After `forward`: row b keeps its inputs kept[b] (indices into the pass, increasing, starting with 0) as
         its next len(kept[b]) positions; every other input of the pass is forgotten."""
+
+    def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [1, n] to a row's cache (no pass pending) -> the logits after the last [1, V]. This default
+        serves a backend holding that one row (a draft model's)."""
+        if self.rows != 1 or row != 0:
+            raise BackendError(f"{self.name} extends a row only where it holds that one row")
+        logits = self.forward(tokens, [tokens.shape[1]])
+        self.keep([list(range(tokens.shape[1]))])
+        return logits[:, -1]
 
     @abstractmethod
     def truncate(self, row: int, length: int) -> None:

@@ -224,6 +224,18 @@ class LlamaCppBackend(Backend):
         return f"llama.cpp, {self.model.path.name} (weights in {buffers})"
 
     @property
+    def gguf_path(self) -> Path:
+        return self.model.path
+
+    def build_info(self) -> str:
+        return system_info()
+
+    def make_drafter(self, spec, *, dtype=None, tokenizer=None, compile_draft=False, threads=None):
+        from ..drafters.factory import make_llama_drafter
+
+        return make_llama_drafter(spec, self, threads or self.threads)
+
+    @property
     def rows(self) -> int:
         return len(self._seqs)
 

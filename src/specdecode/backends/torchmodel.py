@@ -130,6 +130,19 @@ class TorchBackend(Backend):
         return f"torch, {str(self.dtype).removeprefix('torch.')}"
 
     @property
+    def device(self) -> str:
+        return str(self.model.device)
+
+    @property
+    def hf_model(self):
+        return self.model
+
+    def make_drafter(self, spec, *, dtype=None, tokenizer=None, compile_draft=False, threads=None):
+        from ..drafters.factory import make_drafter
+
+        return make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=self.model, compile_draft=compile_draft)
+
+    @property
     def rows(self) -> int:
         return 0 if self.mask is None else self.mask.shape[0]
 

@@ -21,7 +21,7 @@ import torch
 from ..backends.llamaguard import default_params_for
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
-from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, adaptive_by_default, make_drafter, make_llama_drafter, model_spec_of
+from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, adaptive_by_default, model_spec_of
 from ..sampling import SamplingParams
 from ..stopping import StopCondition
 
@@ -169,15 +169,16 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
     """Parse method names; draft models are loaded once and shared between methods (and between calls that
     pass the same `drafters` dict). compile_draft: `auto` compiles its draft step (paid at load, not in any timing).
     `target`: a transformers model (torch backend) or a LlamaCppBackend."""
-    from ..backends import Backend
+    from ..backends import as_backend
 
     drafters = {} if drafters is None else drafters
-    on_llama = isinstance(target, Backend) and target.name == "llama.cpp"
+    target = as_backend(target)  # one backend for every method of ours (each run starts cold: OursMethod.run)
+    hf_model = target.hf_model
 
     def drafter_for(spec: str) -> Drafter | None:
         if spec not in drafters:
-            drafters[spec] = (make_llama_drafter(spec, target, threads) if on_llama else
-                              make_drafter(spec, dtype=dtype, tokenizer=tokenizer, target=target, compile_draft=compile_draft))
+            drafters[spec] = target.make_drafter(spec, dtype=dtype, tokenizer=tokenizer, compile_draft=compile_draft,
+                                                 threads=threads)
         return drafters[spec]
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
@@ -189,21 +190,21 @@ def build_methods(names: list[str], target, tokenizer, eos, *, default_draft: st
             spec, k, adaptive = parse_spec_method(name, default_draft, default_k, default_adaptive)
             methods.append(OursMethod(name, target, tokenizer, eos, drafter_for(spec), k, adaptive))
         elif name in ("llama-cpp", "llama-cpp-pld"):
-            if not on_llama:
+            if target.gguf_path is None:
                 raise ValueError(f"{name} runs the target's GGUF with llama.cpp: use --backend llama.cpp (or auto) and a GGUF target")
-            methods.append(LlamaCppMethod(name, target.model.path, eos, threads, target.context_window, name.endswith("pld")))
-        elif name.startswith("hf-") and on_llama:
+            methods.append(LlamaCppMethod(name, target.gguf_path, eos, threads, target.context_window, name.endswith("pld")))
+        elif name.startswith("hf-") and hf_model is None:
             raise ValueError(f"{name} runs transformers: use --backend torch for it")
         elif name == "hf-greedy":
-            methods.append(HFMethod(name, target, eos, pad))
+            methods.append(HFMethod(name, hf_model, eos, pad))
         elif name == "hf-assisted":
             model_spec = model_spec_of(default_draft)  # transformers gets the plain model, never our int8 one
             if model_spec is None:
                 raise ValueError(f"hf-assisted needs a draft model, but --draft is {default_draft!r}")
-            methods.append(HFMethod(name, target, eos, pad, assistant_model=drafter_for(model_spec).model))
+            methods.append(HFMethod(name, hf_model, eos, pad, assistant_model=drafter_for(model_spec).model))
             methods[-1].settings["assistant_model"] = model_spec
         elif name == "hf-pld":
-            methods.append(HFMethod(name, target, eos, pad, prompt_lookup_num_tokens=HF_PLD_TOKENS))
+            methods.append(HFMethod(name, hf_model, eos, pad, prompt_lookup_num_tokens=HF_PLD_TOKENS))
         else:
             raise ValueError(f"unknown method {name!r}: use plain, spec[:DRAFTER[:K]], hf-greedy, hf-assisted, hf-pld, "
                              "llama-cpp or llama-cpp-pld")

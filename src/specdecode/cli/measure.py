@@ -122,15 +122,15 @@ def cmd_tune(args) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    from ..backends import Backend
     from ..pipeline import SpecDecoder, load_components
     from ..tune import default_candidates, rounds_of, tune, write_config
 
     console = Console(stderr=True)
     prompts = _load_prompts(args)
     target, tokenizer, _, _, _ = load_components(args.target, None, dtype=args.dtype, threads=args.threads, backend=args.backend)
-    on_llama = isinstance(target, Backend)  # its drafts are GGUFs as they are: no int4 / head variants, no self
-    default_drafts = ["auto", "ngram", DEFAULT_DRAFT] if on_llama else ["auto", "ngram", f"{DEFAULT_DRAFT}+int4+head", "self"]
+    # Packed weights, a restricted head and self-drafting are transformers models' (a GGUF drafts as it is)
+    torch_drafts = target.hf_model is not None
+    default_drafts = ["auto", "ngram", f"{DEFAULT_DRAFT}+int4+head", "self"] if torch_drafts else ["auto", "ngram", DEFAULT_DRAFT]
     drafts = [d for spec in (args.draft or default_drafts) for d in spec.split(",")]
     candidates = [c for spec in args.candidates for c in spec.split(",")] if args.candidates else default_candidates(drafts)
     decoder = SpecDecoder(target, tokenizer)
@@ -151,9 +151,9 @@ def cmd_tune(args) -> int:
     Console(width=None if sys.stdout.isatty() else 200).print(table)
     from ..models import DTYPES
 
-    dtype = None if on_llama else args.dtype or {v: k for k, v in DTYPES.items()}.get(target.dtype)
+    dtype = args.dtype or {v: k for k, v in DTYPES.items()}.get(target.hf_model.dtype) if torch_drafts else None
     config = write_config(Path(args.out), result, target=args.target, dtype=dtype, threads=args.threads,
-                          backend="llama.cpp" if on_llama else "torch",
+                          backend=target.name,
                           max_new_tokens=args.max_new_tokens, command="specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     console.print(f"best: {config['tuned']['method']} ({config['tuned']['speedup_vs_plain']:.2f}x plain) -> {args.out}: "
                   f"draft={config['draft']} k={config['k']} adaptive={config['adaptive']}")

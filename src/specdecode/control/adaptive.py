@@ -69,15 +69,8 @@ class AdaptiveK:
     """Draft length and on/off chosen per step from measured costs and calibrated acceptance, for one sequence;
     `batch` decides for a batch of rows from the same measurements."""
 
-    MIN_GAIN = priors.MIN_GAIN
-    BEST_ACCEPT = priors.BEST_ACCEPT
-    READ_PAYBACK = priors.READ_PAYBACK
-    START_DRAFT = priors.START_DRAFT
-    MAX_PROBE_INTERVAL = priors.MAX_PROBE_INTERVAL
-    REGIME_CHANGE = priors.REGIME_CHANGE
-
-    def __init__(self, max_k: int = 8, probe_every: int = priors.PROBE_EVERY, min_gain: float = priors.MIN_GAIN):
-        self.max_k, self.probe_every, self.min_gain = max_k, probe_every, min_gain
+    def __init__(self, max_k: int = 8, probe_every: int = priors.PROBE_EVERY):
+        self.max_k, self.probe_every = max_k, probe_every
         self.measured = Measurements()
         self.plain_steps = 0
         self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
@@ -141,11 +134,11 @@ class AdaptiveK:
         t_plain, t_draft = self.measured.costs.verify_time(1), self.measured.costs.draft_time()
         if t_plain is None or not t_draft:
             return True  # not measured yet: nothing says it cannot
-        best = self._best_case_rate(t_plain, max_len, self.BEST_ACCEPT) * t_plain
-        if best >= self.min_gain:
+        best = self._best_case_rate(t_plain, max_len, priors.BEST_ACCEPT) * t_plain
+        if best >= priors.MIN_GAIN:
             self.model_off = None
             return True
-        self.model_off = (f"model drafts off: at {self.BEST_ACCEPT:.0%} acceptance they would reach {best:.2f}x plain "
+        self.model_off = (f"model drafts off: at {priors.BEST_ACCEPT:.0%} acceptance they would reach {best:.2f}x plain "
                           "decoding on this machine's measured costs; lookup drafts only")
         return False
 
@@ -240,8 +233,8 @@ class AdaptiveK:
             self.skipped_steps += 1
             return 0
         if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
-            return min(self.START_DRAFT, max_len)
-        if self._speculative_rate(with_leaves, offered) >= self.min_gain / t_plain:
+            return min(priors.START_DRAFT, max_len)
+        if self._speculative_rate(with_leaves, offered) >= priors.MIN_GAIN / t_plain:
             self.plain_steps = 0
             self.probe_interval = self.probe_every
             return max_len
@@ -253,17 +246,17 @@ class AdaptiveK:
         # two-position pass, first-token acceptance). Each probe that finds drafting still losing waits twice as long
         # for the next (where a draft step costs two plain ones, probes every 8 steps alone cost 15 %). Where not
         # even drafts all accepted would pay, it waits the longest interval; and a drafter that has not read the
-        # prompt yet does not read it for that probe before then (on llama.cpp, 2 cores, such a probe cost 6 % of
-        # a 96-token request: the costs measured at load had already said drafting loses).
+        # prompt yet does not read it for that probe before then (a reading for a probe can cost more than the probe
+        # could ever win back, where the costs measured at load already say drafting loses).
         self.plain_steps = 0
-        if self._best_case_rate(t_plain, max_len) >= self.min_gain / t_plain:
-            self.probe_interval = min(2 * self.probe_interval, self.MAX_PROBE_INTERVAL)
-        elif not ready and self.probe_interval < self.MAX_PROBE_INTERVAL:
-            self.probe_interval = self.MAX_PROBE_INTERVAL
+        if self._best_case_rate(t_plain, max_len) >= priors.MIN_GAIN / t_plain:
+            self.probe_interval = min(2 * self.probe_interval, priors.MAX_PROBE_INTERVAL)
+        elif not ready and self.probe_interval < priors.MAX_PROBE_INTERVAL:
+            self.probe_interval = priors.MAX_PROBE_INTERVAL
             self.skipped_steps += 1
             return 0
         else:
-            self.probe_interval = self.MAX_PROBE_INTERVAL
+            self.probe_interval = priors.MAX_PROBE_INTERVAL
         return 1
 
     def _reading_pays(self, t_plain: float, unread: int, remaining: int, generated: int, with_leaves: bool,
@@ -277,10 +270,10 @@ class AdaptiveK:
         if per_token is None or not unread:
             return True
         spec_rate = self._speculative_rate(with_leaves, offered)
-        if spec_rate * t_plain < self.min_gain:  # drafting is not expected to pay: nothing would earn the reading back
+        if spec_rate * t_plain < priors.MIN_GAIN:  # drafting is not expected to pay: nothing would earn the reading back
             return False
         saving = max(t_plain - 1 / spec_rate, 0.0)  # seconds a drafted token saves
-        return min(generated, remaining) * saving >= self.READ_PAYBACK * unread * per_token
+        return min(generated, remaining) * saving >= priors.READ_PAYBACK * unread * per_token
 
     def lookup_length(self) -> int:
         """The longest lookup draft worth proposing: what the widest pass measured can verify (at least max_k)."""
@@ -309,7 +302,7 @@ class AdaptiveK:
             best_len = draft.length
         if best_len == 0 and self.lookup_skips >= self.lookup_probe_interval:  # probe now and then, less while they lose
             best_len, self.lookup_skips = 1, 0
-            self.lookup_probe_interval = min(2 * self.lookup_probe_interval, self.MAX_PROBE_INTERVAL)
+            self.lookup_probe_interval = min(2 * self.lookup_probe_interval, priors.MAX_PROBE_INTERVAL)
         elif best_len == 0:
             self.lookup_skips += 1
         draft.truncate(best_len)
@@ -340,7 +333,7 @@ class AdaptiveK:
         a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
         more than drafted + 1 with leaves; match_len: a lookup draft's match)."""
         before = self.measured.costs.draft_token_s.get(source)
-        if drafted and before is not None and before.value and draft_s / drafted < self.REGIME_CHANGE * before.value:
+        if drafted and before is not None and before.value and draft_s / drafted < priors.REGIME_CHANGE * before.value:
             self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
         self.measured.costs.observe_draft(source, drafted, draft_s)
         if leaf_used is not None and drafted and positions:

@@ -35,9 +35,6 @@ class BatchPolicy:
     early by the single-sequence marginal rule, charged its share of the pass. When the cap is 0, drafts that cost
     no model pass (n-gram lookups) may still pay: `plan_free` picks how much of them to verify."""
 
-    BATCH_MIN_GAIN = priors.BATCH_MIN_GAIN
-    FREE_MIN_GAIN = priors.FREE_MIN_GAIN
-
     def __init__(self, measured: Measurements, max_k: int, probe_every: int = priors.PROBE_EVERY):
         self.measured, self.max_k, self.probe_every = measured, max_k, probe_every
         self.plain_steps = 0
@@ -59,7 +56,7 @@ class BatchPolicy:
         # drafting at full length, every row first reading its prompt, is the dearest step there is.
         best_k, probe_rows = 0, None
         if t(1) is not None and t_draft is not None:
-            best_rate = self.BATCH_MIN_GAIN * rows / t(1)
+            best_rate = priors.BATCH_MIN_GAIN * rows / t(1)
             catch_up = unread_prompt_tokens * (costs.draft_prefill_token_s.value or 0.0)
             for k in range(1, self.max_k + 1):
                 expected = rows * (1 - alpha ** (k + 1)) / (1 - alpha)  # 1 + alpha + ... + alpha^k per row
@@ -87,7 +84,7 @@ class BatchPolicy:
         if not longest or t(1) is None:
             return 0
         expected = [self.measured.expected_accepted(d.source, d.length, d.match_len) for d in drafts if d.length]
-        best_n, best_rate = 0, self.FREE_MIN_GAIN * rows / t(1)
+        best_n, best_rate = 0, priors.FREE_MIN_GAIN * rows / t(1)
         for n in range(1, longest + 1):
             rate = (rows + sum(e[min(n, len(e)) - 1] for e in expected)) / t(n + 1)
             if rate > best_rate:

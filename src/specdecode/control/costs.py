@@ -78,8 +78,8 @@ class CostModel:
         """Seconds for a pass of `rows` rows x `positions` positions: measured, or interpolated linearly
         between the nearest measured sizes, or extrapolated conservatively past them (None: nothing yet).
         Past the widest pass measured it grows at least UNMEASURED_GROWTH of proportionally: one-row passes look
-        free up to ~9 tokens on a CPU, and extrapolating that flat to an 8-row x 9-position pass (measured 0.57 s
-        against 0.24 s plain) made a batch verify drafts it could not afford."""
+        free up to ~9 tokens on a CPU, and a flat extrapolation to an 8-row x 9-position pass would price it at a plain
+        one (calibrate measures up to the widest pass the engine runs, so this is a fallback)."""
         positions *= rows
         known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
         if not known:
@@ -103,7 +103,7 @@ class PassCostLine:
     """One sequence's verify pass as level + slope x positions. The level follows the current context (a pass
     over 700 cached tokens costs ~2x one over 100 here); the slope, which is what deciding one more drafted token
     reads, is learned only from consecutive passes (same context, same machine load) of clearly different widths.
-    A table keyed by width alone remembered each width at whatever context it was last measured in.
+    (A table keyed by width alone would remember each width at whatever context it was last measured in.)
 
     The slope is the median of the latest samples, not a clamped average: a position costs ~1 ms on one CPU and
     ~170 ms on another (bf16 emulated), so no bound in seconds fits both, while a median shrugs off a hiccup."""

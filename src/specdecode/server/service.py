@@ -120,7 +120,7 @@ class Service:
         self.engine = self._scheduler.submit(
             BatchEngine, target, drafter, tokenizer, k=k, adaptive=adaptive, max_batch=max_batch,
             prefix_cache=prefix_cache).result()
-        self.eos = eos_token_ids(target, tokenizer)
+        self.eos = eos_token_ids(self.engine.backend, tokenizer)
         # No token covers more characters than the vocabulary's longest entry; 2x for normalizers that drop some.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
         self._max_prompt_chars = 2 * self.context_window * longest if self.context_window and longest else None
