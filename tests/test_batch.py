@@ -267,3 +267,25 @@ def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft, mo
     prompt = random_prompt(3, 7)
     (seq,) = engine.generate_all([dict(input_ids=prompt, max_new_tokens=12)])
     assert seq.result.token_ids == reference_greedy(target, prompt, 12)
+
+
+@pytest.mark.parametrize("logprobs", [None, 0], ids=["judged-together", "judged-row-by-row"])
+def test_greedy_rows_judged_together_stop_at_their_own_drafts(target, logprobs):
+    """Greedy chains are judged for all rows in one argmax over drafts padded to the longest: a short draft's padding
+    must never count as accepted, even where the target's token there equals the pad. Row by row (log-probabilities
+    asked for) gives the same."""
+    from specdecode.drafters.base import Draft
+    from specdecode.sequence import Sequence
+    from specdecode.tree import TreeLayout
+    from test_tree import one_hot_logits
+
+    engine = BatchEngine(target, None, max_batch=2)
+    engine.rows = [Sequence(torch.tensor([[5, 6]]), max_new_tokens=10, k=4, logprobs=logprobs) for _ in range(2)]
+    drafts = [Draft(torch.tensor([[1, 2, 3]])), Draft(torch.tensor([[1]]))]
+    vocab = target.config.vocab_size
+    # row 0 accepts its whole draft and gets 4; row 1 accepts its one token, then the target says 0 (the pad) twice
+    logits = torch.stack([one_hot_logits([1, 2, 3, 4], vocab), one_hot_logits([1, 0, 0, 7], vocab)])
+    layouts = [TreeLayout(seq.ids[:, -1:], d.tokens, None) for seq, d in zip(engine.rows, drafts)]
+    assert engine._judge(layouts, drafts, logits) == [3, 1]
+    assert [seq.new for seq in engine.rows] == [[1, 2, 3, 4], [1, 0]]
+    assert [seq.ids[0].tolist() for seq in engine.rows] == [[5, 6, 1, 2, 3, 4], [5, 6, 1, 0]]

@@ -28,6 +28,7 @@ from .sequence import Sequence, check_draft_length, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
 from .tree import TreeLayout, pack
+from .verify import greedy_accept
 
 
 # Prompt tokens read per step while other rows decode: their next token waits for at most this chunk's reading.
@@ -252,10 +253,30 @@ class BatchEngine:
         t0 = time.perf_counter()
         tokens, widths, offsets, visibility = pack(layouts)
         logits = self.backend.forward(tokens, widths, offsets, visibility)
-        accepted = [seq.judge(draft, *layout.split_logits(logits[i : i + 1, : layout.width]))
-                    for i, (seq, draft, layout) in enumerate(zip(self.rows, drafts, layouts))]
+        accepted = self._judge(layouts, drafts, logits)
         self.backend.keep([layout.kept_inputs(n, seq.leaf) for seq, layout, n in zip(self.rows, layouts, accepted)])
         report.rows, report.width, report.verify_s = len(self.rows), tokens.shape[1], time.perf_counter() - t0
+        return accepted
+
+    def _judge(self, layouts: list[TreeLayout], drafts: list[Draft], logits: torch.Tensor) -> list[int]:
+        """Each row's draft judged from the pass's logits [B, W, V]: greedy chains all at once (one argmax where the
+        logits are, [B] ids moved), sampled rows, tree leaves and log-probabilities row by row."""
+        together = [i for i, (seq, layout) in enumerate(zip(self.rows, layouts))
+                    if seq.sampling.greedy and not layout.leaves and seq.top_logprobs is None]
+        accepted = [0] * len(self.rows)
+        if together:
+            k = max(drafts[i].length for i in together)
+            tokens = torch.zeros(len(together), k, dtype=torch.long)  # drafts padded to the longest
+            for j, i in enumerate(together):
+                tokens[j, : drafts[i].length] = drafts[i].tokens[0]
+            lengths = torch.tensor([drafts[i].length for i in together])
+            rows = logits[:, : k + 1] if len(together) == len(self.rows) else logits[together, : k + 1]
+            lens, nexts = greedy_accept(tokens.to(rows.device), rows, lengths.to(rows.device))
+            for i, n, token in zip(together, lens.tolist(), nexts.tolist()):
+                accepted[i] = self.rows[i].commit(drafts[i], n, token)
+        for i in sorted(set(range(len(self.rows))) - set(together)):
+            layout = layouts[i]
+            accepted[i] = self.rows[i].judge(drafts[i], *layout.split_logits(logits[i : i + 1, : layout.width]))
         return accepted
 
     def _outcome(self, layouts: list[TreeLayout], drafts: list[Draft], accepted: list[int],

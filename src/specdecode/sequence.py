@@ -193,15 +193,21 @@ class Sequence:
         leaf_logits {(position, rank): [1, V]}: the target's logits after each leaf (tree.py). When the
         target's own token at the first rejection is one of them, the target's next token after it is known
         too and is committed as well; `self.leaf` then says which leaf ((position, rank), else None)."""
-        start = self.ids.shape[1]  # the position of the first drafted token
         if self.sampling.greedy:
             accepted_len, next_token = greedy_accept(draft.tokens, logits)
         else:
             target_probs = logits_to_probs(logits, self.sampling)
-            accepted_len, next_token = self.draws.accept(draft.tokens, draft.probs, target_probs, start)
-        accepted, correction = int(accepted_len[0]), int(next_token[0])
+            accepted_len, next_token = self.draws.accept(draft.tokens, draft.probs, target_probs, self.ids.shape[1])
+        return self.commit(draft, int(accepted_len[0]), int(next_token[0]), logits, leaf_logits)
+
+    def commit(self, draft: Draft, accepted: int, correction: int, logits: torch.Tensor | None = None,
+               leaf_logits: dict | None = None) -> int:
+        """Commit the draft's first `accepted` tokens and the target's own next token `correction` (judged by `judge`,
+        or for greedy chains by the engine for all rows at once). logits [1, n+1, V]: for log-probabilities (None
+        where none are asked for); leaf_logits as in `judge`. Returns `accepted`."""
+        start = self.ids.shape[1]  # the position of the first drafted token
         self.new = draft.tokens[0, :accepted].tolist() + [correction]
-        self.new_logprobs = self._logprobs(logits[0, : accepted + 1], self.new)
+        self.new_logprobs = self._logprobs(logits[0, : accepted + 1], self.new) if logits is not None else []
         self.leaf = None
         if leaf_logits is not None and accepted < draft.length:
             runners_up = draft.alternatives[0, accepted].tolist()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -52,6 +53,30 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, draws, position: int) -
         return logits.argmax(-1), torch.softmax(logits, -1)
     q = logits_to_probs(logits, sampling)
     return draws.sample(q, position), q
+
+
+def draft_chain(step: Callable[[torch.Tensor], torch.Tensor], pending: torch.Tensor, k: int, sampling: SamplingParams,
+                draws, start: int, keep_going: Callable[[int, float], bool] | None = None,
+                runners_up: Callable[[torch.Tensor, int, float], list[int]] | None = None):
+    """The token-by-token loop every model drafter runs: step(tokens [1, n]) feeds them and returns the logits after
+    the last [1, V]; the first step feeds `pending`, each later one the token drawn before. Draft token i stands at
+    position start + i. keep_going is asked before every token after the first; runners_up(q, chosen, reach) gives a
+    token's tree leaves (reach: the draft's own estimate that the target gets that far). Returns (tokens, probs,
+    confidence, alternatives) as lists, one entry a token (probs only when sampling, alternatives only with
+    runners_up)."""
+    tokens, probs, confidence, alternatives = [], [], [], []
+    for i in range(k):
+        if i and keep_going is not None and not keep_going(i, confidence[-1]):
+            break
+        token, q = draw(step(pending), sampling, draws, start + i)
+        if not sampling.greedy:
+            probs.append(q)
+        tokens.append(token)
+        if runners_up is not None:
+            alternatives.append(runners_up(q[0], int(token[0]), math.prod(confidence)))
+        confidence.append(float(q[0, token[0]]))
+        pending = token[:, None]
+    return tokens, probs, confidence, alternatives
 
 
 # After a fully accepted draft two tokens are new (the last drafted one and the target's); more means the drafter sat

@@ -7,7 +7,7 @@ import torch
 from ..backends.llamacpp import LlamaCppBackend
 from ..backends.prefix import common_prefix
 from ..sampling import SamplingParams
-from .base import Draft, Drafter, catch_up, draw
+from .base import Draft, Drafter, catch_up, draft_chain
 
 
 class LlamaDrafter(Drafter):
@@ -68,16 +68,6 @@ class LlamaDrafter(Drafter):
         else:
             self.commit(input_ids)
         pending, reading_s = catch_up(self._read, input_ids[:, self.cached_ids.shape[1] :])
-        tokens, probs, confidence = [], [], []
-        logits = self._read(pending)
-        for i in range(k):
-            if i and keep_going is not None and not keep_going(i, confidence[-1]):
-                break
-            if i:
-                logits = self._read(tokens[-1][:, None])
-            token, q = draw(logits, sampling, draws, input_ids.shape[1] + i)
-            if not sampling.greedy:
-                probs.append(q)
-            tokens.append(token)
-            confidence.append(float(q[0, token[0]]))
+        tokens, probs, confidence, _ = draft_chain(self._read, pending, k, sampling, draws, input_ids.shape[1],
+                                                   keep_going)
         return Draft(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, confidence, self.name, reading_s)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import time
 
@@ -13,7 +12,7 @@ from transformers import DynamicCache
 from ..backends.prefix import common_prefix
 from ..backends.torchmodel import rollback
 from ..sampling import SamplingParams
-from .base import Draft, Drafter, catch_up, draw
+from .base import Draft, Drafter, catch_up, draft_chain
 from .quant import RestrictedHead, quantize
 
 
@@ -142,19 +141,9 @@ class ModelDrafter(Drafter):
         if self.cached_ids.shape[1] >= input_ids.shape[1]:  # always feed at least the last token
             self.commit(input_ids[:, :-1])
         pending, reading_s = catch_up(self._read, input_ids[:, self.cached_ids.shape[1] :].to(self.model.device))
-        tokens, probs, confidence, runners_up = [], [], [], []
-        for i in range(k):
-            if i and keep_going is not None and not keep_going(i, confidence[-1]):
-                break
-            token, q = draw(self._next_logits(pending), sampling, draws, input_ids.shape[1] + i)
-            if not sampling.greedy:
-                probs.append(q)
-            tokens.append(token)
-            if self.alternatives:
-                reach = math.prod(confidence)  # the draft's own estimate that the target gets this far
-                runners_up.append(self._runners_up(q[0], int(token[0]), reach))
-            confidence.append(float(q[0, token[0]]))
-            pending = token[:, None]
+        tokens, probs, confidence, runners_up = draft_chain(
+            self._next_logits, pending, k, sampling, draws, input_ids.shape[1], keep_going,
+            self._runners_up if self.alternatives else None)
         alternatives = torch.tensor([runners_up]) if runners_up else None
         return Draft(
             torch.stack(tokens, 1).cpu(), torch.stack(probs, 1) if probs else None, confidence, self.name, reading_s,
