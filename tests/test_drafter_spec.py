@@ -3,7 +3,7 @@
 import pytest
 
 from specdecode.drafters.spec import parse_drafter_spec
-from specdecode.pipeline import model_spec_of
+from specdecode.drafters.factory import model_spec_of
 from specdecode.models import DEFAULT_DRAFT
 
 

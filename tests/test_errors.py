@@ -76,7 +76,7 @@ def test_request_beyond_the_context_window(engine):
     ("auto:qwen2.5-coder-0.5b+int8+int4", "both \\+int8 and \\+int4"),
 ])
 def test_bad_draft_options_are_named_before_any_model_loads(spec, message):
-    from specdecode.pipeline import make_drafter
+    from specdecode.drafters.factory import make_drafter
 
     with pytest.raises(ValueError, match=message):
         make_drafter(spec)

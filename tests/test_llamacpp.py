@@ -11,7 +11,7 @@ from specdecode.batch import BatchEngine
 from specdecode.check import first_difference, top2_gap
 from specdecode.drafters.llama import LlamaDrafter
 from specdecode.models import BUILTINS, builtin_gguf, load_model, load_tokenizer
-from specdecode.pipeline import make_llama_drafter
+from specdecode.drafters.factory import make_llama_drafter
 from stats_check import fit
 from tiny import keep_one_stale_entry, tiny_model
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .drafters import Drafter
-from .drafters.factory import adaptive_by_default, lookup_drafter, make_drafter, make_llama_drafter, model_spec_of  # noqa: F401
+from .drafters.factory import adaptive_by_default
 from .encoding import encode_prompt, eos_token_ids
 from .engine import Generation, SpeculativeEngine
 from .sequence import GenerationResult

@@ -18,7 +18,7 @@ from .bench.methods import build_methods, parse_spec_method
 from .bench.runner import BenchConfig, run_bench
 from .models import DEFAULT_DRAFT, ModelError
 from .drafters.spec import parse_drafter_spec
-from .pipeline import model_spec_of
+from .drafters.factory import model_spec_of
 from .prompts import Prompt
 
 CONFIG_KEYS = ("target", "backend", "draft", "k", "adaptive", "dtype", "threads")  # what generate/bench/serve read from --config

@@ -21,7 +21,8 @@ import torch
 from ..backends.llamaguard import default_params_for
 from ..drafters import Drafter
 from ..engine import SpeculativeEngine
-from ..pipeline import DEFAULT_K, DEFAULT_MAX_K, adaptive_by_default, model_spec_of
+from ..drafters.factory import adaptive_by_default, model_spec_of
+from ..pipeline import DEFAULT_K, DEFAULT_MAX_K
 from ..sampling import SamplingParams
 from ..stopping import StopCondition
 
