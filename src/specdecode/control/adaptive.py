@@ -154,10 +154,9 @@ class AdaptiveK:
         """Every row's draft: the batch's cap first (the pass is as wide as its widest row), then each row by the
         single-sequence rule under it. A batch size whose plain pass is not measured yet runs one plain step first:
         drafting there is priced against it."""
-        n = len(rows)
+        n = self.rows = len(rows)
         if not self.measured.costs.measured(1, n):
             return StepPlan([RowPlan() for _ in rows])
-        self.rows = n
         drafting = [seq for seq in rows if seq.drafter is not None]
         unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
         batch = self.batch.plan(n, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))

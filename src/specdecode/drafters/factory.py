@@ -56,6 +56,11 @@ def lookup_drafter(name: str) -> Drafter:
     return SuffixDrafter()
 
 
+def _without_model(spec: DrafterSpec) -> Drafter | None:
+    """What 'none' and the lookups are on any backend: no drafter, or a drafter that runs no model."""
+    return lookup_drafter(spec.lookup) if spec.kind == "lookup" else None
+
+
 def _auto(spec: DrafterSpec, model: Drafter) -> Drafter:
     if spec.kind != "auto":
         return model
@@ -71,10 +76,8 @@ def make_drafter(spec: str | None, dtype=None, tokenizer=None, target=None, comp
       a compiled step (it costs about a minute at start); 'auto:MODEL+OPTIONS' takes exactly those options.
     """
     parsed = parse_drafter_spec(spec)
-    if parsed.kind == "none":
-        return None
-    if parsed.kind == "lookup":
-        return lookup_drafter(parsed.lookup)
+    if parsed.kind in ("none", "lookup"):
+        return _without_model(parsed)
     if parsed.kind == "self":
         if target is None:
             raise ValueError("the 'self' drafter needs the target model")
@@ -107,10 +110,8 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
     from .llama import LlamaDrafter
 
     parsed = parse_drafter_spec(spec)
-    if parsed.kind == "none":
-        return None
-    if parsed.kind == "lookup":
-        return lookup_drafter(parsed.lookup)
+    if parsed.kind in ("none", "lookup"):
+        return _without_model(parsed)
     if parsed.kind == "self":
         raise ValueError("self-speculation (the target's first layers) runs on the torch backend only: use --backend torch")
     if parsed.explicit:
