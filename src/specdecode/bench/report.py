@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-BASELINES = ("hf-greedy", "hf-assisted", "hf-pld")
+BASELINES = ("hf-greedy", "hf-assisted", "hf-pld", "llama-cpp", "llama-cpp-pld")
 
 
 def _ratios(rows: list[dict], method: str, reference: str) -> list[float]:
