@@ -1,9 +1,11 @@
 """A real server on loopback (uvicorn in a thread) for the server tests, and reading its /metrics."""
 
+import asyncio
 import re
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -46,6 +48,39 @@ class RunningServer:
 
     def async_client(self):
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+
+class HeldSteps:
+    """The scheduler takes no step until `release`: requests sent meanwhile wait together, whatever their timing."""
+
+    def __init__(self, service: Service):
+        self.service, self.gate = service, threading.Event()
+
+    async def arrived(self, waiting: int, timeout: float = 30) -> None:
+        """Until `waiting` requests wait in the queue."""
+        deadline = time.monotonic() + timeout
+        while self.service.engine.waiting < waiting:
+            assert time.monotonic() < deadline, f"{self.service.engine.waiting} of {waiting} requests arrived"
+            await asyncio.sleep(0.01)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+@contextmanager
+def held_steps(service: Service):
+    held, step = HeldSteps(service), service.engine.step
+
+    def gated():
+        held.gate.wait()
+        return step()
+
+    service.engine.step = gated
+    try:
+        yield held
+    finally:
+        held.release()
+        del service.engine.step  # the engine's own method again
 
 
 def metric(server, name: str, labels: str = "") -> float:

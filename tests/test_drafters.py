@@ -8,7 +8,7 @@ from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, Ema
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.sampling import StreamDraws
-from specdecode.drafters.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
+from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from replay import observe_step, simulate_costs
 from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results, sample_generations
 from tiny import random_prompt, reference_greedy, tiny_model
@@ -334,8 +334,8 @@ def test_compiled_draft_step_drafts_what_the_eager_one_does(target):
     """The compiled one-token step shares the cache with eager wide passes: same drafts, same q, through rollbacks."""
     eager = _drafts_through_rollbacks(ModelDrafter(tiny_model(3)))
     compiled_drafter = ModelDrafter(tiny_model(3), compile=True)
-    assert compiled_drafter._one_token_step is not None, "compilation failed on this machine"
-    compiled_drafter._stance = "fail_on_recompile"  # the graphs compiled at load serve every step below
+    assert compiled_drafter.model._one_token_step is not None, "compilation failed on this machine"
+    compiled_drafter.model._stance = "fail_on_recompile"  # the graphs compiled at load serve every step below
     compiled = _drafts_through_rollbacks(compiled_drafter)
     for a, b in zip(eager, compiled, strict=True):
         assert torch.equal(a.tokens, b.tokens)
@@ -358,7 +358,7 @@ def test_a_draft_that_cannot_compile_drafts_uncompiled(monkeypatch, capsys):
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     drafter = ModelDrafter(tiny_model(3), compile=True)
-    assert drafter._one_token_step is None and "could not compile the draft step (RuntimeError: no C++ compiler)" in capsys.readouterr().err
+    assert drafter.model._one_token_step is None and "could not compile the draft step (RuntimeError: no C++ compiler)" in capsys.readouterr().err
     assert drafter.forward_passes == 0 and drafter.cached_ids.shape[1] == 0
     assert [d.tokens.tolist() for d in _drafts_through_rollbacks(drafter)] == [
         d.tokens.tolist() for d in _drafts_through_rollbacks(ModelDrafter(tiny_model(3)))
@@ -426,9 +426,10 @@ def test_self_drafter_shares_weights_and_keeps_the_target_whole():
     target = tiny_model(21, layers=3, sharpness=8.0)
     drafter = SelfDrafter(target, layers=1)
     assert len(target.model.layers) == 3 and target.config.num_hidden_layers == 3
-    assert len(drafter.model.model.layers) == 1
-    assert drafter.model.model.layers[0] is target.model.layers[0]
-    assert drafter.model.lm_head is target.lm_head
+    shallow = drafter.model.hf_model
+    assert len(shallow.model.layers) == 1
+    assert shallow.model.layers[0] is target.model.layers[0]
+    assert shallow.lm_head is target.lm_head
     for seed, n in PROMPTS[:4]:
         prompt = random_prompt(seed, n)
         result = SpeculativeEngine(target, drafter, k=3).generate(prompt, max_new_tokens=20).result()

@@ -83,7 +83,7 @@ def test_draft_cache_matches_committed_tokens(target, near_draft):
     result = engine.generate(prompt, max_new_tokens=30).result()
     committed = torch.cat([prompt, torch.tensor([result.token_ids])], dim=1)
     held = drafter.cached_ids.shape[1]
-    assert drafter.cache.get_seq_length() == held
+    assert drafter.model.length(0) == held
     assert torch.equal(drafter.cached_ids[0], committed[0, :held])
 
 

@@ -9,7 +9,6 @@ from specdecode.backends import BackendError, choose_backend
 from specdecode.backends.llamacpp import LlamaCppBackend, LlamaModel
 from specdecode.batch import BatchEngine
 from specdecode.check import first_difference, top2_gap
-from specdecode.drafters.llama import LlamaDrafter
 from specdecode.models import BUILTINS, builtin_gguf, load_model, load_tokenizer
 from specdecode.drafters.factory import make_llama_drafter
 from stats_check import fit
@@ -53,7 +52,7 @@ def drafters(smol_gguf):
     return {
         "weak": ModelDrafter(tiny_model(3, vocab=49152)),  # random: nearly always rejected
         "near": ModelDrafter(torch_smol),  # the same weights dequantized, other numerics: mostly accepted
-        "self": LlamaDrafter(LlamaCppBackend(smol_gguf, threads=2), name="smollm2-135m"),  # a second llama.cpp context
+        "self": ModelDrafter(LlamaCppBackend(smol_gguf, threads=2), name="smollm2-135m"),  # a second llama.cpp context
         "ngram": NgramDrafter(),
         "suffix": SuffixDrafter(),  # llama.cpp scores no trees: its best chain
     }
@@ -128,7 +127,7 @@ def exact_marginals(backend, prompt, params):
     return second, third
 
 
-class SharperDraft(LlamaDrafter):
+class SharperDraft(ModelDrafter):
     """The target's own GGUF drafting at a lower temperature: q differs from p on the same few tokens (a draft with
     q = p is never rejected, so a wrong rejection rule would not show). Its q is what it sampled from: lossless."""
 

@@ -14,7 +14,7 @@ import uvicorn
 from specdecode import ModelDrafter, SpecDecoder
 from specdecode.server import Service
 from replay import simulate_costs
-from serving import MODEL, RunningServer, free_port, metric
+from serving import MODEL, RunningServer, free_port, held_steps, metric
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +88,17 @@ def test_sixteen_concurrent_greedy_requests_each_equal_solo(server, solo):
         out = await client.completions.create(model=MODEL, prompt=prompt_of(i), max_tokens=8 + i, temperature=0)
         return out.choices[0].text
 
-    async def all_of_them():
+    async def all_of_them(held):
         client = server.async_client()
-        return await asyncio.gather(*(one(client, i) for i in range(16)))
+        calls = [asyncio.create_task(one(client, i)) for i in range(16)]
+        await held.arrived(16)  # all sent before the first step: it admits 8 rows, the rest join as rows finish
+        held.release()
+        return await asyncio.gather(*calls)
 
     solo_passes_before = metric(server, "specdecode_batch_rows_bucket", 'le="1.0"')
     passes_before = metric(server, "specdecode_batch_rows_count")
-    texts = asyncio.run(all_of_them())
+    with held_steps(server.service) as held:
+        texts = asyncio.run(all_of_them(held))
     for i, text in enumerate(texts):
         prompt = [{"role": "user", "content": prompt_of(i)}] if i % 2 else prompt_of(i)
         assert text == solo(prompt, 8 + i, chat=bool(i % 2)), f"request {i}"
@@ -177,19 +181,22 @@ def test_metrics_counters_move(server):
 
 
 def test_full_queue_answers_429_not_a_hang(target, tokenizer):
+    """With steps held, the first request waits in the queue and fills it: the five after it are refused at once."""
     service = Service(target, tokenizer, None, model_name=MODEL, max_batch=1, max_queue=1)
-    with RunningServer(service) as running:
+    with RunningServer(service) as running, held_steps(service) as held:
         async def burst():
             client = running.async_client()
-            calls = [client.completions.create(model=MODEL, prompt=prompt_of(i), max_tokens=60, temperature=0) for i in range(6)]
-            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=120)
+            call = lambda i: client.completions.create(model=MODEL, prompt=prompt_of(i), max_tokens=60, temperature=0)  # noqa: E731
+            first = asyncio.create_task(call(0))
+            await held.arrived(1)
+            rest = await asyncio.wait_for(asyncio.gather(*(call(i) for i in range(1, 6)), return_exceptions=True), 60)
+            held.release()
+            return [await asyncio.wait_for(first, 120), *rest]
 
         results = asyncio.run(burst())
     busy = [r for r in results if isinstance(r, openai.RateLimitError)]
-    done = [r for r in results if not isinstance(r, Exception)]
-    assert busy and done, results
+    assert not isinstance(results[0], Exception) and len(busy) == 5, results
     assert all("max_queue" in str(r) for r in busy)
-    assert len(busy) + len(done) == 6
 
 
 def test_load_benchmark_against_two_endpoints(server, tmp_path):

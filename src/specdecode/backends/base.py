@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,6 +27,27 @@ if TYPE_CHECKING:
 
 class BackendError(RuntimeError):
     """A backend cannot do what was asked (missing dependency, unsupported model or feature)."""
+
+
+class DraftModel(Protocol):
+    """A model run as one row: what a draft model needs of a backend (drafters.model.ModelDrafter). A Backend holding
+    one row is one; `twin` gives another row on the same weights (a batch's rows draft side by side)."""
+
+    vocab_size: int
+    model_name: str
+
+    @property
+    def rows(self) -> int: ...
+
+    def add_row(self, prompt: torch.Tensor) -> torch.Tensor: ...
+
+    def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def truncate(self, row: int, length: int) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def twin(self) -> "DraftModel": ...
 
 
 class Backend(ABC):
@@ -46,6 +67,15 @@ class Backend(ABC):
 
     def describe(self) -> str:
         return self.name
+
+    @property
+    def model_name(self) -> str:
+        """The model it runs, for drafters and reports."""
+        return self.name
+
+    def twin(self) -> "Backend":
+        """A backend of its own on the same weights, empty (a draft model's second row: see DraftModel)."""
+        raise BackendError(f"the {self.name} backend cannot run a second context on its weights")
 
     @property
     def device(self) -> str:

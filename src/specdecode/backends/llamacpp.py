@@ -219,6 +219,14 @@ class LlamaCppBackend(Backend):
         # same prefix (docs/results.md), so a top-2 gap below that may flip with the pass width.
         return 0.7
 
+    @property
+    def model_name(self) -> str:
+        return self.model.path.stem
+
+    def twin(self) -> "LlamaCppBackend":
+        """A context of its own on the same loaded weights, without a prefix cache (a draft model's row)."""
+        return LlamaCppBackend(self.model, threads=self.threads, window=self.context_window, prefix_cache=False)
+
     def describe(self) -> str:
         buffers = ", ".join(self.model.buffer_types) or "unknown"
         return f"llama.cpp, {self.model.path.name} (weights in {buffers})"

@@ -71,7 +71,7 @@ class SelfDrafter(ModelDrafter):
 
     def __init__(self, target, layers: int | None = None, tokenizer=None):
         self.target, self.tokenizer, self.layers = target, tokenizer, None
-        self.name, self.head, self.calibrated = "self", None, False  # ModelDrafter's own init runs once a depth pays
+        self.name, self.calibrated = "self", False  # ModelDrafter's own init runs once a depth pays
         if layers is not None:
             self._use(layers)
 
@@ -81,6 +81,13 @@ class SelfDrafter(ModelDrafter):
             raise ValueError(f"self-speculation needs 1 <= layers < {n_layers} (the target's depth), got {layers}")
         self.layers = layers  # before ModelDrafter's init, whose reset() needs it
         super().__init__(_shallow_model(self.target, layers), self.tokenizer, name=f"self:{layers}")
+
+    def spawn(self) -> "SelfDrafter":
+        if self.layers is not None:
+            return super().spawn()
+        twin = SelfDrafter(self.target, None, self.tokenizer)
+        twin.calibrated = self.calibrated  # a depth that did not pay is not looked for again
+        return twin
 
     def reset(self) -> None:
         if self.layers is not None:

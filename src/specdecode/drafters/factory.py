@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 
+from ..backends.quant import fastest_weight_format
 from ..models import DEFAULT_DRAFT, gguf_file, known_vocab_size, load_model
 from .base import Drafter
 from .combo import ComboDrafter
 from .early_exit import SelfDrafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
-from .quant import fastest_weight_format
 from .spec import DrafterSpec, parse_drafter_spec
 from .suffix import SuffixDrafter, suffix_available
 
@@ -107,7 +107,6 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
     """A drafter for a llama.cpp target (a LlamaCppBackend): 'none', a lookup, 'MODEL' (its GGUF in a second
     llama.cpp context) or 'auto[:MODEL]' (a lookup where the context matches, else MODEL)."""
     from ..backends.llamacpp import LlamaCppBackend
-    from .llama import LlamaDrafter
 
     parsed = parse_drafter_spec(spec)
     if parsed.kind in ("none", "lookup"):
@@ -123,6 +122,6 @@ def make_llama_drafter(spec: str | None, target, threads: int | None = None) -> 
     path = gguf_file(model_spec)
     if path is None:
         raise ValueError(f"a draft model on llama.cpp is a GGUF file or a built-in name, not {model_spec!r}")
-    return _auto(parsed, LlamaDrafter(LlamaCppBackend(path, threads=threads, prefix_cache=False), name=model_spec))
+    return _auto(parsed, ModelDrafter(LlamaCppBackend(path, threads=threads, prefix_cache=False), name=model_spec))
 
 
