@@ -2,7 +2,8 @@
 # llama.cpp's own server against `specdecode serve --backend llama.cpp` on the Qwen Q4_K_M pair, through the same
 # load benchmark (`specdecode bench --endpoint`, streaming chat, concurrency 1, 4 and 8): llama-server plain, with
 # its draft-model speculation (draft-simple, the same 0.5B GGUF) and with its ngram-mod lookup, then ours (auto,
-# load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them.
+# load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them. 24 prompts (4 per
+# task) by default: 3 levels x 8 requests, none a repeat of an earlier one.
 # Needs the tools of scripts/build-llama-server.sh. Not part of CI.
 # Usage: [ONLY="llama-server specdecode"] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
 # e.g. conversations: ... bench-out/chat 1 --traffic chat --turns 4 --concurrency 1 --requests 3 --prompts edits
@@ -44,7 +45,7 @@ for round in $(seq 1 "$ROUNDS"); do
     done
     echo "[llama-server-bench] round $round: $name" >&2
     run="$OUT/runs/r$round-$name"
-    $SD bench --endpoint "$name=http://127.0.0.1:$PORT" --concurrency 1,4,8 --requests 8 --per-task 1 \
+    $SD bench --endpoint "$name=http://127.0.0.1:$PORT" --concurrency 1,4,8 --requests 8 --per-task 4 \
       --max-new-tokens 64 --rounds 1 --out "$run" "$@" >/dev/null || echo "[llama-server-bench] $name: some requests failed (see $run/load.md)" >&2
     kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
     RUNS+=("$run")

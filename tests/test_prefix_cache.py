@@ -66,13 +66,27 @@ def test_the_cache_can_be_turned_off(target, given):
 
 
 def test_torch_prefix_cache_is_bounded_in_tokens(target):
-    backend = TorchBackend(target)
-    backend.prefix_cache.max_tokens = 100
+    backend = TorchBackend(target, prefix_tokens=100)
     engine = SpeculativeEngine(backend, None)
     for seed in range(6):
         engine.generate(random_prompt(seed, 40), max_new_tokens=8).result()
     assert backend.prefix_cache.tokens <= 100 and backend.prefix_cache.stats.evictions >= 4
     assert set(backend._prefixes) == set(backend.prefix_cache.entries)  # evicted K/V are freed
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+def test_the_cache_size_reaches_the_backend(backend):
+    """`serve --prefix-cache-tokens N` as load_target gets it: N bounds the cache, 0 turns it off."""
+    from specdecode.backends import load_target
+
+    off, _ = load_target("smollm2-135m", backend, threads=2, prefix_cache_tokens=0)
+    sized, _ = load_target("smollm2-135m", backend, threads=2, max_rows=2, prefix_cache_tokens=300)
+    assert off.prefix_cache is None and sized.prefix_cache is not None
+    if backend == "torch":
+        assert sized.prefix_cache.max_tokens == 300
+    else:  # cells beyond the rows' own
+        assert sized.context.cells == 2 * sized.context_window + 300
 
 
 # --- llama.cpp: cells shared between sequences ----------------------------------------------------------------------

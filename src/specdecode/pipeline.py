@@ -21,7 +21,7 @@ DEFAULT_K = 5  # fixed draft length
 DEFAULT_MAX_K = 8  # the most an adaptive controller may draft
 def load_components(target: str, draft: str | None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
                     threads: int | None = None, compile_draft: bool = False, backend: str = "auto", max_rows: int = 1,
-                    prefix_cache: bool = True):
+                    prefix_cache: bool = True, prefix_cache_tokens: int | None = None):
     """(target Backend, tokenizer, drafter, k, adaptive) from specs; backend 'auto' picks (backends.choose_backend)
     and the backend builds the drafter for itself. adaptive=None: see adaptive_by_default; k=None: 5 fixed, at most 8
     adaptive."""
@@ -30,7 +30,7 @@ def load_components(target: str, draft: str | None, *, dtype=None, k: int | None
     adaptive = adaptive_by_default(draft) if adaptive is None else adaptive
     k = k or (DEFAULT_MAX_K if adaptive else DEFAULT_K)
     model, tokenizer = load_target(target, backend, dtype=dtype, threads=threads, max_rows=max_rows,
-                                   prefix_cache=prefix_cache)
+                                   prefix_cache=prefix_cache, prefix_cache_tokens=prefix_cache_tokens)
     drafter = model.make_drafter(draft, dtype=dtype, tokenizer=tokenizer, compile_draft=compile_draft, threads=threads)
     return model, tokenizer, drafter, k, adaptive
 

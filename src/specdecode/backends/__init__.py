@@ -48,9 +48,11 @@ def choose_backend(name: str, spec: str) -> str:
 
 
 def load_target(spec: str, backend: str = "auto", *, dtype=None, threads: int | None = None, max_rows: int = 1,
-                prefix_cache: bool = True) -> tuple[Backend, object]:
+                prefix_cache: bool = True, prefix_cache_tokens: int | None = None) -> tuple[Backend, object]:
     """(the target as a Backend, its tokenizer) from a model spec; backend as in `choose_backend`. llama.cpp holds up to
-    `max_rows` rows side by side (torch holds as many as memory allows)."""
+    `max_rows` rows side by side (torch holds as many as memory allows). prefix_cache_tokens: how many tokens of
+    finished rows' K/V the prefix cache may keep (None: the backend's default; 0: no prefix cache)."""
+    prefix_cache = prefix_cache and prefix_cache_tokens != 0
     import torch
 
     from ..models import gguf_file, load_model, load_tokenizer
@@ -60,14 +62,15 @@ def load_target(spec: str, backend: str = "auto", *, dtype=None, threads: int | 
 
         # torch only samples and compares logits here: its idle worker threads would spin beside llama.cpp's.
         torch.set_num_threads(1)
-        target = LlamaCppBackend(gguf_file(spec), threads=threads, max_rows=max_rows, prefix_cache=prefix_cache)
+        target = LlamaCppBackend(gguf_file(spec), threads=threads, max_rows=max_rows, prefix_cache=prefix_cache,
+                                 spare_cells=prefix_cache_tokens)
         return target, load_tokenizer(spec)
     if threads:
         torch.set_num_threads(threads)
     from .torchmodel import TorchBackend
 
     model, tokenizer = load_model(spec, dtype=dtype)
-    return TorchBackend(model, prefix_cache=prefix_cache), tokenizer
+    return TorchBackend(model, prefix_cache=prefix_cache, prefix_tokens=prefix_cache_tokens), tokenizer
 
 
 def weights_for(spec: str, backend: str = "auto"):

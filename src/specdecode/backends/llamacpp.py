@@ -121,7 +121,7 @@ class Context:
             raise BackendError(f"llama.cpp could not make a context of {window * max_rows} positions for {model.path.name}")
         self.lib, self.model = lib, model
         self.memory = lib.llama_get_memory(self.ctx)
-        self.n_batch = params.n_batch
+        self.n_batch, self.cells = params.n_batch, params.n_ctx  # cells asked for: the rows' windows and the spares'
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
 
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> np.ndarray:

@@ -94,7 +94,7 @@ class TorchBackend(Backend):
     name = "torch"
     supports_tree = True
 
-    def __init__(self, model, compact_above: float = 0.5, prefix_cache: bool = True):
+    def __init__(self, model, compact_above: float = 0.5, prefix_cache: bool = True, prefix_tokens: int | None = None):
         self.model = model
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.context_window = getattr(model.config, "max_position_embeddings", None)
@@ -112,7 +112,8 @@ class TorchBackend(Backend):
         self._pending: list[list[int]] | None = None  # row -> its inputs in the pass not yet kept
         # A sliding-window layer's cache is not a prefix of positions: only full-attention models cache prefixes.
         use_cache = prefix_cache and full_attention
-        self.prefix_cache = PrefixCache(PREFIX_CACHE_ENTRIES, PREFIX_CACHE_TOKENS) if use_cache else None
+        tokens = PREFIX_CACHE_TOKENS if prefix_tokens is None else prefix_tokens
+        self.prefix_cache = PrefixCache(PREFIX_CACHE_ENTRIES, tokens) if use_cache else None
         self._prefixes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # entry -> per layer [H, n, D] K, V
         self._next_entry = 0
 

@@ -177,7 +177,7 @@ def cmd_serve(args) -> int:
         adaptive=True if args.adaptive is None else args.adaptive,
         model_name=args.served_model_name, max_batch=args.max_batch, max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens, compile_draft=_compile_draft(args, long_running=True), backend=args.backend,
-        prefix_cache=args.prefix_cache,
+        prefix_cache=args.prefix_cache, prefix_cache_tokens=args.prefix_cache_tokens,
     )
     serve(service, sock, args.host, max_body_bytes=args.max_body_bytes, log_level=args.log_level,
           shutdown_timeout=args.shutdown_timeout)

@@ -139,9 +139,11 @@ class Service:
                    k: int | None = None, adaptive: bool | None = None, compile_draft: bool = False, backend: str = "auto",
                    **kwargs) -> "Service":
         scheduler = SchedulerThread()  # loads the models: the thread that will step them (see SchedulerThread)
+        cache_tokens = kwargs.pop("prefix_cache_tokens", None)
         model, tokenizer, drafter, k, adaptive = scheduler.submit(
             load_components, target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft,
             backend=backend, max_rows=kwargs.get("max_batch", 8), prefix_cache=kwargs.get("prefix_cache", True),
+            prefix_cache_tokens=cache_tokens,
         ).result()
         return cls(model, tokenizer, drafter, model_name=kwargs.pop("model_name", None) or target,
                    k=k, adaptive=adaptive, scheduler=scheduler, **kwargs)
