@@ -289,3 +289,48 @@ def test_greedy_rows_judged_together_stop_at_their_own_drafts(target, logprobs):
     assert engine._judge(layouts, drafts, logits) == [3, 1]
     assert [seq.new for seq in engine.rows] == [[1, 2, 3, 4], [1, 0]]
     assert [seq.ids[0].tolist() for seq in engine.rows] == [[5, 6, 1, 2, 3, 4], [5, 6, 1, 0]]
+
+
+class LogitsOnDevice(torch.Tensor):
+    """A pass's logits standing for a GPU's: records the shape of every tensor made from them that leaves for the CPU
+    (`.cpu()`, `.tolist()`, `.item()`, `.numpy()`); what `.cpu()` gives back is a plain tensor."""
+
+    moved: list[tuple[int, ...]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.numpy):
+            cls.moved.append(tuple(args[0].shape))
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.as_subclass(torch.Tensor) if func is torch.Tensor.cpu else out
+
+
+class DeviceLogitsBackend(TorchBackend):
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs).as_subclass(LogitsOnDevice)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["all-greedy", "one-sampled"])
+def test_greedy_rows_move_only_their_verdicts_off_the_device(target, near_draft, references, sampled):
+    """The backend hands logits where the model runs; greedy rows are judged there and only their [B] verdicts
+    leave it, a sampled row moves its own [1, W, V] (its draws are made on the CPU). Outputs stay the target's."""
+    LogitsOnDevice.moved = []
+    engine = BatchEngine(DeviceLogitsBackend(target), ModelDrafter(near_draft), k=4, max_batch=4, calibrate_costs=False)
+    requests = REQUESTS[:4]
+    seqs = [engine.submit(random_prompt(seed, n), max_new_tokens=new) for seed, n, new in requests[:3]]
+    seed, n, new = requests[3]
+    last = engine.submit(random_prompt(seed, n), max_new_tokens=new,
+                         sampling=SamplingParams(temperature=1.0, seed=3) if sampled else SamplingParams())
+    while engine.has_work:
+        engine.step()
+    for seq, (seed, _, _) in zip(seqs + ([] if sampled else [last]), requests):
+        assert seq.result.token_ids == references[seed]
+    vocab = target.config.vocab_size
+    with_vocab = [shape for shape in LogitsOnDevice.moved if vocab in shape]
+    assert LogitsOnDevice.moved and all(len(shape) == 1 and shape[0] <= 4 for shape in LogitsOnDevice.moved
+                                        if shape not in with_vocab)
+    if sampled:  # the sampled row's own logits, one row at a time
+        assert with_vocab and all(shape[0] == 1 for shape in with_vocab)
+    else:
+        assert not with_vocab
+

@@ -259,8 +259,9 @@ class BatchEngine:
         return accepted
 
     def _judge(self, layouts: list[TreeLayout], drafts: list[Draft], logits: torch.Tensor) -> list[int]:
-        """Each row's draft judged from the pass's logits [B, W, V]: greedy chains all at once (one argmax where the
-        logits are, [B] ids moved), sampled rows, tree leaves and log-probabilities row by row."""
+        """Each row's draft judged from the pass's logits [B, W, V] (where the model runs): greedy chains all at once
+        (one argmax there, [B] verdicts moved), sampled rows, tree leaves and log-probabilities row by row (their
+        [W, V] moved to the CPU)."""
         together = [i for i, (seq, layout) in enumerate(zip(self.rows, layouts))
                     if seq.sampling.greedy and not layout.leaves and seq.top_logprobs is None]
         accepted = [0] * len(self.rows)
@@ -274,9 +275,9 @@ class BatchEngine:
             lens, nexts = greedy_accept(tokens.to(rows.device), rows, lengths.to(rows.device))
             for i, n, token in zip(together, lens.tolist(), nexts.tolist()):
                 accepted[i] = self.rows[i].commit(drafts[i], n, token)
-        for i in sorted(set(range(len(self.rows))) - set(together)):
+        for i in sorted(set(range(len(self.rows))) - set(together)):  # draws and log-probabilities are made on the CPU
             layout = layouts[i]
-            accepted[i] = self.rows[i].judge(drafts[i], *layout.split_logits(logits[i : i + 1, : layout.width]))
+            accepted[i] = self.rows[i].judge(drafts[i], *layout.split_logits(logits[i : i + 1, : layout.width].cpu()))
         return accepted
 
     def _outcome(self, layouts: list[TreeLayout], drafts: list[Draft], accepted: list[int],

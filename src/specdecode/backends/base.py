@@ -138,8 +138,9 @@ class Backend(ABC):
         visibility: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass over all rows. tokens [B, W] (row b's inputs are its first widths[b]; the rest is padding),
-        offsets [B, W] (default: 0..W-1), visibility [B, W, W] bool (default: causal). Returns fp32 logits on the
-        CPU [B, W, V]. The pass's K/V stay pending until `keep`."""
+        offsets [B, W] (default: 0..W-1), visibility [B, W, W] bool (default: causal). Returns fp32 logits [B, W, V]
+        where the model runs (`device`): the engine judges greedy rows there and moves only their [B] verdicts. The
+        pass's K/V stay pending until `keep`."""
 
     @abstractmethod
     def keep(self, kept: list[list[int]]) -> None:
@@ -147,13 +148,13 @@ class Backend(ABC):
         its next len(kept[b]) positions; every other input of the pass is forgotten."""
 
     def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [1, n] to a row's cache (no pass pending) -> the logits after the last [1, V]. This default
-        serves a backend holding that one row (a draft model's)."""
+        """Append tokens [1, n] to a row's cache (no pass pending) -> the logits after the last [1, V] (fp32, CPU).
+        This default serves a backend holding that one row (a draft model's)."""
         if self.rows != 1 or row != 0:
             raise BackendError(f"{self.name} extends a row only where it holds that one row")
         logits = self.forward(tokens, [tokens.shape[1]])
         self.keep([list(range(tokens.shape[1]))])
-        return logits[:, -1]
+        return logits[:, -1].cpu()
 
     @abstractmethod
     def truncate(self, row: int, length: int) -> None:

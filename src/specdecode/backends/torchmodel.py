@@ -28,7 +28,7 @@ PREFIX_CACHE_ENTRIES = 8
 
 
 def target_logits(model, tokens: torch.Tensor, cache: DynamicCache, last_only: bool = False, **kwargs) -> torch.Tensor:
-    """One pass over tokens [B, n] on top of `cache` -> fp32 logits on the CPU [B, n or 1, V]."""
+    """One pass over tokens [B, n] on top of `cache` -> fp32 logits where the model runs [B, n or 1, V]."""
     with torch.inference_mode():
         out = model(
             input_ids=tokens.to(model.device),
@@ -37,7 +37,7 @@ def target_logits(model, tokens: torch.Tensor, cache: DynamicCache, last_only: b
             logits_to_keep=1 if last_only else 0,
             **kwargs,
         )
-    return out.logits.float().cpu()
+    return out.logits.float()
 
 
 def rollback(cache: DynamicCache, keep_len: int) -> None:
@@ -68,7 +68,7 @@ class TorchRowReader(RowReader):
     def read(self, tokens: torch.Tensor) -> torch.Tensor:
         before = self.cache.get_seq_length()
         try:
-            logits = target_logits(self.backend.model, tokens, self.cache, last_only=True)[:, -1]
+            logits = target_logits(self.backend.model, tokens, self.cache, last_only=True)[:, -1].cpu()
         except BaseException:
             rollback(self.cache, before)
             raise

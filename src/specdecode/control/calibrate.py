@@ -48,7 +48,7 @@ def calibrate(controller: AdaptiveK, backend, drafter=None, widest: int = WIDEST
                 if (round_ and width > TIMED_TWICE) or too_wide(passes, width):
                     break
                 t0 = time.perf_counter()
-                backend.forward(prompt[:, :width], [width])
+                backend.forward(prompt[:, :width], [width]).argmax(-1).tolist()  # as greedy judging reads a pass
                 seconds = time.perf_counter() - t0
                 backend.keep([[0]])
                 controller.observe_pass(width, 1, seconds)
