@@ -334,3 +334,20 @@ def test_greedy_rows_move_only_their_verdicts_off_the_device(target, near_draft,
     else:
         assert not with_vocab
 
+
+def test_first_token_comes_before_any_pass_and_running_rows_never_wait(target, near_draft, references):
+    """On an idle engine the step that reads a prompt hands out its first token at once (no pass over the rows
+    first: that pass is the next step's); a step that admits beside running rows still runs their pass."""
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, max_batch=4, calibrate_costs=False)
+    (seed, n, new), (seed2, n2, new2) = REQUESTS[:2]
+    first = engine.submit(random_prompt(seed, n), max_new_tokens=new)
+    report = engine.step()
+    assert report.admitted == 1 and report.events == [(first, references[seed][:1])] and report.rows == 0
+    report = engine.step()
+    assert report.rows == 1 and report.width > 1  # the row drafted and was verified
+    second = engine.submit(random_prompt(seed2, n2), max_new_tokens=new2)
+    report = engine.step()
+    assert report.admitted == 1 and report.rows == 2  # the running row got its pass in the same step
+    while engine.has_work:
+        engine.step()
+    assert first.result.token_ids == references[seed] and second.result.token_ids == references[seed2]

@@ -172,13 +172,15 @@ class BatchEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepReport:
-        """admit -> plan -> draft -> fit -> pass, judge, keep -> observe -> emit."""
+        """admit -> plan -> draft -> fit -> pass, judge, keep -> observe -> emit. On an idle engine a step that admits
+        ends at the first tokens, so they reach the caller without waiting for a pass (running rows never wait)."""
         start = time.perf_counter()
         report = StepReport()
         self._leave([s for s in self.rows if s.cancelled], report, reason="cancelled")
+        idle = not self.rows
         self._admit(report)
         report.admit_s = time.perf_counter() - start
-        if self.rows:
+        if self.rows and not (idle and report.admitted):
             trees = self._trees_on()
             plan = self.controller.plan_step(self.rows, trees)
             report.cap, report.lookup_only = plan.cap, plan.lookup_only
