@@ -84,10 +84,13 @@ def main() -> int:
         order = [("a", a), ("b", b)] if i % 2 == 0 else [("b", b), ("a", a)]
         runs = {label: ask(worker, i) for label, worker in order}
         ratio = runs["b"]["tok_s"] / runs["a"]["tok_s"]
+        lengths = {label: len(run["tokens"]) for label, run in runs.items()}  # tok/s counts the prompt's reading too
         rows.append(dict(id=runs["a"]["id"], task=runs["a"]["task"], a_tok_s=runs["a"]["tok_s"], b_tok_s=runs["b"]["tok_s"],
-                         ratio=ratio, identical=runs["a"]["tokens"] == runs["b"]["tokens"], first=order[0][0]))
+                         ratio=ratio, identical=runs["a"]["tokens"] == runs["b"]["tokens"], first=order[0][0],
+                         a_tokens=lengths["a"], b_tokens=lengths["b"]))
+        same = "same output" if rows[-1]["identical"] else f"DIFFERENT output ({lengths['a']} vs {lengths['b']} tokens)"
         print(f"{rows[-1]['task']:>15} {rows[-1]['id']:>6}: a {runs['a']['tok_s']:6.2f}  b {runs['b']['tok_s']:6.2f} tok/s"
-              f"  b/a {ratio:.3f}  {'same' if rows[-1]['identical'] else 'DIFFERENT'} output", flush=True)
+              f"  b/a {ratio:.3f}  {same}", flush=True)
     for worker in (a, b):
         worker.stdin.close()
         worker.wait()
