@@ -25,7 +25,7 @@ import json, sys
 from specdecode import SpecDecoder
 from specdecode.prompts import load_prompts
 options = json.loads(sys.argv[1])
-prompts = load_prompts(None, per_task=options.pop("per_task"))
+prompts = load_prompts(options.pop("prompts"), tasks=options.pop("tasks"), per_task=options.pop("per_task"))
 max_new_tokens = options.pop("max_new_tokens")
 import inspect
 known = inspect.signature(SpecDecoder.from_specs).parameters
@@ -70,13 +70,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", required=True, help="source tree A (the baseline), e.g. /tmp/before/src")
     parser.add_argument("--b", required=True, help="source tree B")
+    parser.add_argument("--prompts", default=None, help="a shipped set (specbench, edits) or a file (default: specbench)")
+    parser.add_argument("--tasks", default=None, help="comma-separated tasks to keep (default: all)")
     parser.add_argument("--per-task", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args()
     extra = [e for e in extra if e != "--"]
     options = {"target": "qwen2.5-coder-1.5b", "draft": "auto", **parse_options(extra), "per_task": args.per_task,
-               "max_new_tokens": args.max_new_tokens}
+               "max_new_tokens": args.max_new_tokens, "prompts": args.prompts,
+               "tasks": args.tasks.split(",") if args.tasks else None}
     a, n = start(args.a, dict(options))
     b, _ = start(args.b, dict(options))
     rows = []

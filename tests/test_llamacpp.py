@@ -9,7 +9,7 @@ from specdecode.backends import BackendError, choose_backend
 from specdecode.backends.llamacpp import LlamaCppBackend, LlamaModel
 from specdecode.batch import BatchEngine
 from specdecode.check import first_difference, top2_gap
-from specdecode.models import BUILTINS, builtin_gguf, load_model, load_tokenizer
+from specdecode.models import load_model, load_tokenizer
 from specdecode.drafters.factory import make_llama_drafter
 from stats_check import fit
 from tiny import keep_one_stale_entry, tiny_model
@@ -24,8 +24,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smol_gguf():
-    return LlamaModel(builtin_gguf(BUILTINS["smollm2-135m"]))
+def smol_gguf(smol_q4_0):
+    return LlamaModel(smol_q4_0)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def drafters(smol_gguf):
     torch_smol, _ = load_model("smollm2-135m", dtype="fp32")
     return {
         "weak": ModelDrafter(tiny_model(3, vocab=49152)),  # random: nearly always rejected
-        "near": ModelDrafter(torch_smol),  # the same weights dequantized, other numerics: mostly accepted
+        "near": ModelDrafter(torch_smol),  # the Q4_1 weights dequantized, other numerics: mostly accepted
         "self": ModelDrafter(LlamaCppBackend(smol_gguf, threads=2), name="smollm2-135m"),  # a second llama.cpp context
         "ngram": NgramDrafter(),
         "suffix": SuffixDrafter(),  # llama.cpp scores no trees: its best chain
