@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from specdecode.control import AdaptiveK
 from specdecode.control.calibrate import too_wide, widths
 
@@ -155,6 +157,31 @@ def replay_request(machine: Machine, accept_by_position: list[float], *, prompt:
         if read_upto is not None and drafted:
             read_upto += accepted + 1
     return {"speedup": answer * machine.verify_s(1) / clock, "drafting_steps": drafting_steps}
+
+
+def replay_lookups(machine: Machine, *, answer: int, match_len, accept: float, seed: int = 0) -> dict:
+    """One request whose every step offers an 8-token lookup draft (a suffix match of `match_len(tokens so far)`
+    tokens), each token right with probability `accept`, on a controller seeded as at load; the controller trims it
+    (AdaptiveK.trim) and the clock charges the pass it chose."""
+    from specdecode.drafters.base import Draft
+
+    rng = random.Random(seed)
+    ctl = AdaptiveK(max_k=8)
+    seed_as_at_load(ctl, machine)
+    clock, done, verified = 0.0, 0, 0
+    while done < answer:
+        match = match_len(done)
+        draft = ctl.trim(Draft(torch.arange(8)[None], source="suffix", match_len=match))
+        accepted = 0
+        while accepted < draft.length and rng.random() < accept:
+            accepted += 1
+        seconds = machine.verify_s(1 + draft.length)
+        ctl.observe_pass(1 + draft.length, 1, seconds)
+        ctl.observe_row("suffix", None, draft.length, accepted, 0.0, match_len=match)
+        clock += seconds
+        done += accepted + 1
+        verified += draft.length
+    return {"speedup": done * machine.verify_s(1) / clock, "verified": verified}
 
 
 def traces() -> list[tuple[str, list[float]]]:

@@ -282,14 +282,14 @@ class AdaptiveK:
         """Cut a draft made all at once (no confidence: a lookup) to the length that maximises expected tokens per
         second, from its source's measured acceptance by position and match length and the pass's measured cost by
         width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
-        passes."""
+        passes by FREE_MIN_GAIN."""
         if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
         width, rows = _widths(draft), self.rows
         # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self.measured.costs.verify_time(positions, rows) / rows  # noqa: E731
-        best_len, best_rate = 0, 1 / max(verify(1), 1e-9)
+        best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
         for n, accepted in enumerate(self.measured.expected_accepted(draft.source, draft.length, draft.match_len), 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
             if rate > best_rate:
