@@ -7,8 +7,10 @@ alternating order, one process per tree holding its models (only one computes at
         --dtype bf16 --threads 2 --backend torch
 
 Everything after `--` goes to `SpecDecoder.from_specs` (as --name value pairs); an option a tree's from_specs does not
-take (--backend, before backends existed) is left out there, with a notice. Prints per-prompt tok/s ratios b/a, their mean, median and min–max, and whether the
-outputs are identical; writes them as JSON with --out.
+take (--backend, before backends existed) is left out there, with a notice. Prints per-prompt tok/s ratios b/a, their
+mean, median and min–max, the same for decode only (time to first token left out: a long prompt's reading, the same
+work in both trees, otherwise carries most of the noise), and whether the outputs are identical; writes them as JSON
+with --out.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ print(json.dumps({"ready": len(prompts)}), flush=True)
 for line in sys.stdin:
     prompt = prompts[int(line)]
     out = decoder.generate(prompt.text, chat=True, max_new_tokens=max_new_tokens)
-    print(json.dumps({"id": prompt.id, "task": prompt.task, "tokens": out.token_ids,
-                      "tok_s": out.stats.tokens_per_s}), flush=True)
+    stats = out.stats
+    decode_s = stats.total_time_s - stats.time_to_first_token_s  # the prompt's reading left out
+    print(json.dumps({"id": prompt.id, "task": prompt.task, "tokens": out.token_ids, "tok_s": stats.tokens_per_s,
+                      "decode_tok_s": (stats.new_tokens - 1) / decode_s if decode_s > 0 else 0.0}), flush=True)
 """
 
 
@@ -87,21 +91,24 @@ def main() -> int:
         order = [("a", a), ("b", b)] if i % 2 == 0 else [("b", b), ("a", a)]
         runs = {label: ask(worker, i) for label, worker in order}
         ratio = runs["b"]["tok_s"] / runs["a"]["tok_s"]
+        decode_ratio = runs["b"]["decode_tok_s"] / max(runs["a"]["decode_tok_s"], 1e-9)
         lengths = {label: len(run["tokens"]) for label, run in runs.items()}  # tok/s counts the prompt's reading too
         rows.append(dict(id=runs["a"]["id"], task=runs["a"]["task"], a_tok_s=runs["a"]["tok_s"], b_tok_s=runs["b"]["tok_s"],
-                         ratio=ratio, identical=runs["a"]["tokens"] == runs["b"]["tokens"], first=order[0][0],
+                         ratio=ratio, decode_ratio=decode_ratio, identical=runs["a"]["tokens"] == runs["b"]["tokens"], first=order[0][0],
                          a_tokens=lengths["a"], b_tokens=lengths["b"]))
         same = "same output" if rows[-1]["identical"] else f"DIFFERENT output ({lengths['a']} vs {lengths['b']} tokens)"
         print(f"{rows[-1]['task']:>15} {rows[-1]['id']:>6}: a {runs['a']['tok_s']:6.2f}  b {runs['b']['tok_s']:6.2f} tok/s"
-              f"  b/a {ratio:.3f}  {same}", flush=True)
+              f"  b/a {ratio:.3f} (decode only {decode_ratio:.3f})  {same}", flush=True)
     for worker in (a, b):
         worker.stdin.close()
         worker.wait()
-    ratios = [r["ratio"] for r in rows]
-    summary = dict(mean=statistics.mean(ratios), median=statistics.median(ratios), min=min(ratios), max=max(ratios),
-                   identical=sum(r["identical"] for r in rows), n=len(rows))
-    print(f"b/a per prompt: mean {summary['mean']:.3f}, median {summary['median']:.3f}, min {summary['min']:.3f}, "
-          f"max {summary['max']:.3f}; identical outputs {summary['identical']}/{summary['n']}")
+    summary = dict(identical=sum(r["identical"] for r in rows), n=len(rows))
+    for key, label in (("ratio", "b/a per prompt"), ("decode_ratio", "decode only (TTFT out)")):
+        ratios = [r[key] for r in rows]
+        summary[key] = dict(mean=statistics.mean(ratios), median=statistics.median(ratios), min=min(ratios), max=max(ratios))
+        print(f"{label}: mean {summary[key]['mean']:.3f}, median {summary[key]['median']:.3f}, "
+              f"min {summary[key]['min']:.3f}, max {summary[key]['max']:.3f}")
+    print(f"identical outputs {summary['identical']}/{summary['n']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(options=options, a=args.a, b=args.b, summary=summary, rows=rows), f, indent=1)

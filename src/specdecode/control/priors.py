@@ -12,13 +12,13 @@ FIRST_ACCEPT = 0.6  # a step's first draft token; the Qwen pair measured 0.55-0.
 CALIBRATION_WEIGHT = 4.0  # each confidence bin starts as 4 judged tokens on the identity (a calibrated draft)
 # A lookup draft's first token by match class (measurements.match_class: unknown, 1, 2, 3, 4-7, 8-15, 16+ tokens): a
 # longer match predicts copying better (unknown: no better guess than a coin).
-# Suffix drafts on the Qwen pair's code edits measured 0.40, 0.48, 0.40, 0.68, 0.60, 0.98-1.0, and fresh code
-# (`make demo`) 0.24 for matches of 1-3. Short ones are set at what code edits measured: then a fresh request
-# verifies them only where a narrow pass is nearly free (width 2-4 under ~1.4 plain passes), and elsewhere
-# lookup probes (AdaptiveK.trim) find out whether this text copies. Long ones are kept high: where a wide pass costs
-# ~11 plain ones (llama.cpp, AVX-512 EPYC: width 16), a long copy is verified only above ~0.95, and below that prior
-# it was never tried
-POSITION_ACCEPT_BY_MATCH = (0.5, 0.4, 0.45, 0.4, 0.6, 0.8, 0.95)
+# Suffix drafts on the Qwen pair's code edits measured 0.40, 0.48, 0.40, 0.68, 0.60, 0.98-1.0 on the AVX-512 EPYC,
+# and 0.18, 0.49, 0.85 for matches of 1, 2, 3 after seven edits on the Ice Lake Xeon; fresh code (`make demo`) 0.24
+# for matches of 1-3. Short ones stay near 0.5: a request tries them, and one or two rejections stop a class. Set at
+# 0.40-0.45 they were rarely tried, matches of 3 were never learned to pay, and code edits lost 5-10 % (decode only;
+# docs/results.md). Long ones are kept high: where a wide pass costs ~11 plain ones (llama.cpp, AVX-512 EPYC: width
+# 16), a long copy is verified only above ~0.95, and below that prior it was never tried
+POSITION_ACCEPT_BY_MATCH = (0.5, 0.45, 0.5, 0.5, 0.6, 0.8, 0.95)
 LEAF_HIT = 0.3  # a rejection's correction among the runner-ups: measured ~42 % on the Qwen pair; lower, so leaves earn their width
 
 # Margins: estimates are noisy and a wrong switch costs
