@@ -15,6 +15,7 @@ import torch
 
 from specdecode.control import AdaptiveK
 from specdecode.control.calibrate import too_wide, widths
+from specdecode.drafters.base import Draft
 
 DATA = Path(__file__).parent / "data"
 PROFILES = json.loads((DATA / "cpu-profiles.json").read_text())
@@ -163,8 +164,6 @@ def replay_lookups(machine: Machine, *, answer: int, match_len, accept: float, s
     """One request whose every step offers an 8-token lookup draft (a suffix match of `match_len(tokens so far)`
     tokens), each token right with probability `accept`, on a controller seeded as at load; the controller trims it
     (AdaptiveK.trim) and the clock charges the pass it chose."""
-    from specdecode.drafters.base import Draft
-
     rng = random.Random(seed)
     ctl = AdaptiveK(max_k=8)
     seed_as_at_load(ctl, machine)
