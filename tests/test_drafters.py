@@ -10,7 +10,7 @@ from specdecode.drafters import ComboDrafter, Draft
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from replay import observe_step, simulate_costs
-from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, check_results, sample_generations
+from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, batched, check_results, sample_generations
 from tiny import random_prompt, reference_greedy, tiny_model
 
 PROMPTS = [(seed, 4 + seed % 9) for seed in range(8)]
@@ -59,9 +59,8 @@ def test_restricted_head_sampling_is_lossless(params):
     """q = 0 outside the draft's head: the residual must cover those tokens exactly."""
     target = tiny_model(11, vocab=VOCAB, sharpness=6.0)
     drafter = fast_drafter(seed=12, vocab=VOCAB, head=6, sharpness=6.0)
-    engine = SpeculativeEngine(target, drafter, k=2)
     prompt = random_prompt(5, 6, vocab=VOCAB)
-    generated, stats = sample_generations(engine, prompt, params, SAMPLES)
+    generated, stats = sample_generations(batched(target, drafter), prompt, params, SAMPLES)
     assert_drafts_reached_the_second_position(stats)
     assert_lossless(check_results(generated, target, prompt, params))
 

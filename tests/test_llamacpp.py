@@ -106,6 +106,7 @@ def test_rows_as_sequence_ids_equal_each_row_alone(smol_gguf, prompts, reference
 
 TOP_K = 3  # small support: the exact marginals of tokens 2 and 3 enumerate 3 x 3 paths through llama.cpp
 SAMPLES = 800
+ROWS = 8
 
 
 def exact_marginals(backend, prompt, params):
@@ -151,13 +152,17 @@ def test_sampling_follows_llama_cpps_distribution(backend, smol_gguf, prompts, m
     else:  # a phrase said twice, begun a third time: the suffix trees propose the rest of it
         prompt = prompts[1][:, :4].repeat(1, 3)[:, :-2]
         drafter = SuffixDrafter()
-    engine = SpeculativeEngine(backend, drafter, k=2)
-    generated, drafted_second = [], 0
+    # Rows side by side (the target's passes shared, each row's draws from its own torch seed): half the time of
+    # one request after another. The exact marginals below come from one-row passes.
+    engine = BatchEngine(LlamaCppBackend(smol_gguf, threads=2, max_rows=ROWS), drafter, k=2, max_batch=ROWS)
+    seqs = []
     for seed in range(SAMPLES):
         torch.manual_seed(seed)  # unseeded: the min(1, p/q) rule
-        result = engine.generate(prompt, max_new_tokens=4, sampling=params).result()  # drafts of 2 after token 1
-        generated.append(result.token_ids)
-        drafted_second += len(result.stats.drafted_per_position) > 1
+        seqs.append(engine.submit(prompt, max_new_tokens=4, sampling=params))  # drafts of 2 after token 1
+    while engine.has_work:
+        engine.step()
+    generated = [seq.result.token_ids for seq in seqs]
+    drafted_second = sum(len(seq.stats.drafted_per_position) > 1 for seq in seqs)
     assert drafted_second > SAMPLES // 2  # the first step drafted 2 tokens
     exact = exact_marginals(backend, prompt, params)
     results = [fit([tokens[i] for tokens in generated], p) for i, p in zip((1, 2), exact)]
