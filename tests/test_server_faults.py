@@ -54,6 +54,27 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
     assert running.result.token_ids == reference_greedy(target, random_prompt(1, 5), 60)
 
 
+def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target):
+    """Three long prompts arrive together: the first is read whole and its token goes out in that step; the others
+    are read in chunks beside its row, so the first does not wait for all three to be read."""
+    engine = BatchEngine(target, None, max_batch=4, prefill_chunk=16)
+    prompts = [random_prompt(s, 60) for s in (6, 7, 8)]
+    burst = [engine.submit(p, max_new_tokens=20) for p in prompts]
+    report = engine.step()
+    assert report.admitted == 1 and report.prefill_tokens == 60 and burst[0].result.token_ids
+    assert not burst[1].result.token_ids and engine.waiting == 2
+    steps_to_second = 0
+    while not burst[1].result.token_ids:
+        report = engine.step()
+        assert report.prefill_tokens <= 16 and any(seq is burst[0] for seq, _ in report.events)
+        steps_to_second += 1
+    assert steps_to_second >= 60 // 16
+    while engine.has_work:
+        engine.step()
+    for seq, prompt in zip(burst, prompts):
+        assert seq.result.token_ids == reference_greedy(target, prompt, 20)
+
+
 def test_chunked_reading_with_drafts_beside_it_keeps_greedy_output(target, near_draft):
     engine = BatchEngine(target, ModelDrafter(near_draft), k=3, max_batch=3, prefill_chunk=7)
     prompts = [random_prompt(s, n) for s, n in ((3, 4), (4, 90), (5, 41))]

@@ -308,8 +308,9 @@ class BatchEngine:
 
     def _admit(self, report: StepReport) -> None:
         """Read waiting prompts into rows while there is room. While other rows run, at most `prefill_chunk` prompt
-        tokens are read per step (a long prompt is read over several steps, the others decoding in between); with
-        none running, whole prompts (nobody waits on them)."""
+        tokens are read per step (a long prompt is read over several steps, the others decoding in between). With
+        none running, one whole prompt: its first token goes out at once and the next prompts are read beside its
+        row (reading all of a burst first held every first token until the last prompt was read)."""
         budget = self.prefill_chunk if self.rows else None
         while budget is None or budget > 0:
             if self._reading is None and not self._open_next(report):
@@ -334,6 +335,8 @@ class BatchEngine:
                 reader.join()
                 self._reading = None
                 self._join(seq, logits, report)
+                if budget is None:
+                    return
 
     def _open_next(self, report: StepReport) -> bool:
         """Start reading the next waiting request if a row is free; False when there is none to read."""
