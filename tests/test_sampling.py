@@ -32,6 +32,25 @@ def test_top_p_keeps_smallest_set_reaching_p():
     assert torch.allclose(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 
+def full_sort_nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p by a sort of the whole vocabulary: the definition the ranked-candidates shortcut must equal."""
+    sorted_probs, order = torch.sort(logits.softmax(-1), dim=-1, descending=True)
+    drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    drop_sorted[..., 0] = False
+    return drop_sorted.scatter(-1, order, drop_sorted)
+
+
+@pytest.mark.parametrize("sharpness", [0.1, 1.0, 5.0, 30.0])  # flat rows need the full sort, peaked ones do not
+@pytest.mark.parametrize("top_p", [1e-9, 0.3, 0.9, 0.999])
+def test_nucleus_from_ranked_candidates_equals_a_full_sort(monkeypatch, sharpness, top_p):
+    monkeypatch.setattr(sampling_module, "NUCLEUS_CANDIDATES", 16)
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(int(sharpness * 10))) * sharpness
+    expected = full_sort_nucleus_mask(logits, top_p)
+    assert torch.equal(sampling_module.outside_nucleus(logits, top_p), expected)
+    kept = (~expected).sum(-1)
+    assert ((kept >= 1) & (kept <= 500)).all()
+
+
 def test_temperature_sharpens():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     assert torch.allclose(logits_to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))

@@ -75,6 +75,37 @@ def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target
         assert seq.result.token_ids == reference_greedy(target, prompt, 20)
 
 
+def test_the_chunk_grows_when_the_rows_part_of_a_step_is_dear():
+    from specdecode.batch import DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK, READ_PER_ROWS_PART, ChunkSizer
+
+    assert ChunkSizer(16).chunk() == 16  # fixed by the caller
+    sizer = ChunkSizer(None)
+    assert sizer.chunk() == DEFAULT_PREFILL_CHUNK  # nothing measured yet
+    sizer.observe_read(4, 1.0)  # a short read says little about the rate: not taken
+    assert sizer.read_s_per_token.value is None
+    sizer.observe_read(64, 64 * 0.015)  # 15 ms a prompt token, as llama.cpp on 2 cores
+    sizer.observe_rows(0.083)  # one row's plain pass: the least chunk is plenty
+    assert sizer.chunk() == DEFAULT_PREFILL_CHUNK
+    for _ in range(30):
+        sizer.observe_rows(0.4)  # eight rows' pass: read 8 x 0.4 s a step
+    assert sizer.chunk() == int(READ_PER_ROWS_PART * 0.4 / 0.015) > DEFAULT_PREFILL_CHUNK
+    for _ in range(30):
+        sizer.observe_read(256, 256 * 1e-5)  # a GPU reads a token in microseconds
+    assert sizer.chunk() == MAX_PREFILL_CHUNK
+
+
+def test_the_engine_measures_its_chunk_while_it_reads_beside_rows(target):
+    engine = BatchEngine(target, None, max_batch=4)
+    running = engine.submit(random_prompt(1, 5), max_new_tokens=40)
+    engine.step()
+    late = engine.submit(random_prompt(2, 300), max_new_tokens=4)
+    while engine.has_work:
+        engine.step()
+    assert engine.chunks.read_s_per_token.value and engine.chunks.rows_part_s.value
+    assert late.result.token_ids == reference_greedy(target, random_prompt(2, 300), 4)
+    assert running.result.token_ids == reference_greedy(target, random_prompt(1, 5), 40)
+
+
 def test_chunked_reading_with_drafts_beside_it_keeps_greedy_output(target, near_draft):
     engine = BatchEngine(target, ModelDrafter(near_draft), k=3, max_batch=3, prefill_chunk=7)
     prompts = [random_prompt(s, n) for s, n in ((3, 4), (4, 90), (5, 41))]

@@ -21,6 +21,7 @@ from .backends import Backend, as_backend
 from .backends.base import RowReader
 from .control import AdaptiveK, calibrate
 from .control.calibrate import WIDEST
+from .control.costs import Ema
 from .control.step import LOOKUP, PLAIN, Controller, FixedK, RowOutcome, RowPlan, StepOutcome, StepPlan
 from .drafters.base import Draft, Drafter
 from .sampling import SamplingParams
@@ -31,9 +32,38 @@ from .tree import TreeLayout, pack
 from .verify import greedy_accept
 
 
-# Prompt tokens read per step while other rows decode: their next token waits for at most this chunk's reading.
-# llama.cpp reads prompts at full speed from chunks of 32-64 tokens on (docs/results.md): 64 halves the stall of 128.
+# Prompt tokens read per step while other rows decode: their next token waits for this chunk's reading. The least
+# is 64 (llama.cpp reads prompts at full speed from chunks of 32-64 tokens on, docs/results.md); more when the rows'
+# own part of a step is dear, so that a step reads at least READ_PER_ROWS_PART times as long as the rows take: at 8
+# rows on a 2-core CPU a 64-token chunk beside a ~0.4 s pass cost 30 % of the reading (llama-server 1.48x our tok/s).
 DEFAULT_PREFILL_CHUNK = 64
+READ_PER_ROWS_PART = 8
+MAX_PREFILL_CHUNK = 512
+
+
+class ChunkSizer:
+    """Prompt tokens to read beside running rows this step: `fixed`, or measured (from the rows' part of recent
+    steps and the reading's time a token)."""
+
+    def __init__(self, fixed: int | None):
+        self.fixed = fixed
+        self.read_s_per_token = Ema(0.3)
+        self.rows_part_s = Ema(0.3)
+
+    def chunk(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.read_s_per_token.value is None or self.rows_part_s.value is None:
+            return DEFAULT_PREFILL_CHUNK
+        wanted = READ_PER_ROWS_PART * self.rows_part_s.value / max(self.read_s_per_token.value, 1e-9)
+        return int(min(MAX_PREFILL_CHUNK, max(DEFAULT_PREFILL_CHUNK, wanted)))
+
+    def observe_read(self, tokens: int, seconds: float) -> None:
+        if tokens >= DEFAULT_PREFILL_CHUNK // 2:  # a short read is mostly a pass's fixed cost, not a rate
+            self.read_s_per_token.update(seconds / tokens)
+
+    def observe_rows(self, seconds: float) -> None:
+        self.rows_part_s.update(seconds)
 
 
 @dataclass
@@ -77,14 +107,14 @@ class BatchEngine:
         max_batch: int = 8,
         compact_above: float = 0.5,
         calibrate_costs: bool = True,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk: int | None = None,
         prefix_cache: bool = True,
     ):
         check_draft_length(k)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1 (or None: measured), got {prefill_chunk!r}")
         self.backend: Backend = as_backend(target, compact_above=compact_above, prefix_cache=prefix_cache)
         if not prefix_cache and self.backend.prefix_cache is not None:  # a Backend given with one: every prompt read whole
             self.backend.drop_cached_prefixes()
@@ -92,7 +122,7 @@ class BatchEngine:
         if self.backend.max_rows is not None and max_batch > self.backend.max_rows:
             raise ValueError("batched decoding supports full-attention models only (this one has sliding-window layers)")
         self.drafter, self.tokenizer, self.k, self.max_batch = drafter, tokenizer, k, max_batch
-        self.prefill_chunk = prefill_chunk
+        self.chunks = ChunkSizer(prefill_chunk)
         self.adaptive = adaptive
         self.controller: Controller = AdaptiveK(max_k=k) if adaptive else FixedK()
         if drafter is not None:
@@ -192,6 +222,7 @@ class BatchEngine:
                 accepted = self._verify(layouts, drafts, report)
                 self.controller.observe(self._outcome(layouts, drafts, accepted, timings, report))
                 self._emit(drafts, accepted, report)
+            self.chunks.observe_rows(time.perf_counter() - start - report.admit_s)
         report.step_s = time.perf_counter() - start
         return report
 
@@ -307,11 +338,11 @@ class BatchEngine:
     # --- rows joining and leaving -----------------------------------------------------------------
 
     def _admit(self, report: StepReport) -> None:
-        """Read waiting prompts into rows while there is room. While other rows run, at most `prefill_chunk` prompt
-        tokens are read per step (a long prompt is read over several steps, the others decoding in between). With
+        """Read waiting prompts into rows while there is room. While other rows run, at most one chunk of prompt
+        tokens (ChunkSizer) is read per step (a long prompt is read over several steps, the others decoding in between). With
         none running, one whole prompt: its first token goes out at once and the next prompts are read beside its
         row (reading all of a burst first held every first token until the last prompt was read)."""
-        budget = self.prefill_chunk if self.rows else None
+        budget = self.chunks.chunk() if self.rows else None
         while budget is None or budget > 0:
             if self._reading is None and not self._open_next(report):
                 return
@@ -321,12 +352,14 @@ class BatchEngine:
                 continue
             done, left = seq.prompt_read, seq.prompt.shape[1] - seq.prompt_read
             take = left if budget is None else min(budget, left)
+            t0 = time.perf_counter()
             try:
                 logits = reader.read(seq.prompt[:, done : done + take])
             except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
                 seq.fail(error)
                 self._drop_reading(report)
                 continue
+            self.chunks.observe_read(take, time.perf_counter() - t0)
             seq.prompt_read += take
             report.prefill_tokens += take
             if budget is not None:
