@@ -51,6 +51,18 @@ def test_nucleus_from_ranked_candidates_equals_a_full_sort(monkeypatch, sharpnes
     assert ((kept >= 1) & (kept <= 500)).all()
 
 
+def test_sample_tokens_follows_each_rows_distribution_and_never_draws_a_zero():
+    from specdecode.verify import sample_tokens
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.0, 2.0, 6.0]])  # the second row not normalized
+    g = torch.Generator().manual_seed(0)
+    samples = torch.stack([sample_tokens(probs, g) for _ in range(4000)])  # [N, 2]
+    for row in range(2):
+        pv, tvd = fit(samples[:, row].tolist(), probs[row] / probs[row].sum())
+        assert pv > ALPHA and tvd < 0.03, (row, pv, tvd)
+    assert not (samples[:, 0] == 1).any() and not (samples[:, 0] == 4).any() and (samples[:, 1] >= 3).all()
+
+
 def test_temperature_sharpens():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     assert torch.allclose(logits_to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))

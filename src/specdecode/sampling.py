@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .verify import keyed_accept, speculative_accept
+from .verify import keyed_accept, sample_tokens, speculative_accept
 
 # As vLLM's sampling epsilon: logits of ~1e2 over 1e-5 stay far inside fp32's range.
 GREEDY_BELOW = 1e-5
@@ -99,7 +99,7 @@ class StreamDraws:
 
     def sample(self, probs: torch.Tensor, position: int) -> torch.Tensor:
         """[B, V] probabilities -> [B] token ids."""
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return sample_tokens(probs, self.generator)
 
     def accept(self, draft_tokens, draft_probs, target_probs, start: int):
         return speculative_accept(draft_tokens, draft_probs, target_probs, self.generator)
