@@ -34,8 +34,8 @@ from .verify import greedy_accept
 
 # Prompt tokens read per step while other rows decode: their next token waits for this chunk's reading. The least
 # is 64 (llama.cpp reads prompts at full speed from chunks of 32-64 tokens on, docs/results.md); more when the rows'
-# own part of a step is dear, so that a step reads at least READ_PER_ROWS_PART times as long as the rows take: at 8
-# rows on a 2-core CPU a 64-token chunk beside a ~0.4 s pass cost 30 % of the reading (llama-server 1.48x our tok/s).
+# own part of a step is dear, so that a step reads at least READ_PER_ROWS_PART times as long as the rows take (at 8
+# rows on a 2-core CPU a ~0.4 s pass beside each 64-token chunk made reading a burst ~30 % slower).
 DEFAULT_PREFILL_CHUNK = 64
 READ_PER_ROWS_PART = 8
 MAX_PREFILL_CHUNK = 512
@@ -114,7 +114,7 @@ class BatchEngine:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be an integer >= 1 (or None: measured), got {prefill_chunk!r}")
+            raise ValueError(f"prefill_chunk must be an integer >= 1 (None: measured), got {prefill_chunk!r}")
         self.backend: Backend = as_backend(target, compact_above=compact_above, prefix_cache=prefix_cache)
         if not prefix_cache and self.backend.prefix_cache is not None:  # a Backend given with one: every prompt read whole
             self.backend.drop_cached_prefixes()
@@ -338,10 +338,10 @@ class BatchEngine:
     # --- rows joining and leaving -----------------------------------------------------------------
 
     def _admit(self, report: StepReport) -> None:
-        """Read waiting prompts into rows while there is room. While other rows run, at most one chunk of prompt
-        tokens (ChunkSizer) is read per step (a long prompt is read over several steps, the others decoding in between). With
-        none running, one whole prompt: its first token goes out at once and the next prompts are read beside its
-        row (reading all of a burst first held every first token until the last prompt was read)."""
+        """Read waiting prompts into rows while there is room. While other rows run, one chunk (ChunkSizer) a step: a
+        long prompt is read over several steps, the others decoding in between. With none running, one whole prompt:
+        its first token goes out at once and the next prompts are read beside its row (reading all of a burst first
+        held every first token until the last prompt was read)."""
         budget = self.chunks.chunk() if self.rows else None
         while budget is None or budget > 0:
             if self._reading is None and not self._open_next(report):
