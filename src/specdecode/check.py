@@ -11,8 +11,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .batch import BatchEngine
 from .pipeline import SpecDecoder
 from .prompts import Prompt
+from .sampling import SamplingParams
+from .stopping import StopCondition
 
 
 
@@ -111,6 +114,35 @@ def two_sample_test(a: list[int], b: list[int], min_expected: float = 5.0) -> tu
     return float(chi2_contingency(table).pvalue), tvd, pooled
 
 
+SAMPLING_ROWS = 32  # completions drawn side by side where the backend holds that many rows
+
+
+def draw_samples(decoder: SpecDecoder, input_ids: torch.Tensor, samples: int, max_new_tokens: int,
+                 sampling: SamplingParams, speculate: bool) -> list[list[int]]:
+    """`samples` completions of one prompt. Unseeded requests, each from its own torch seed: the min(1, p/q) rule
+    they are judged by (a seeded request's text is the seed's whether it drafts or not: sampling.KeyedDraws, tested
+    in the suite). As rows of one batch (target passes shared; fixed draft length) where the backend holds them."""
+    backend = decoder.engine.backend
+    rows = min(SAMPLING_ROWS, samples)
+    stop = StopCondition(decoder.eos, (), decoder.tokenizer)
+    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, speculate=speculate)
+    if backend.max_rows is not None and backend.max_rows < rows:  # e.g. a llama.cpp context made for one row
+        completions = []
+        for i in range(samples):
+            torch.manual_seed(2 * i + int(speculate))
+            completions.append(decoder.engine.generate(input_ids, **request).result().token_ids)
+        return completions
+    engine = BatchEngine(backend, decoder.drafter if speculate else None, decoder.tokenizer, k=decoder.engine.k,
+                         max_batch=rows)
+    seqs = []
+    for i in range(samples):
+        torch.manual_seed(2 * i + int(speculate))
+        seqs.append(engine.submit(input_ids, **request))
+    while engine.has_work:
+        engine.step()
+    return [seq.result.token_ids for seq in seqs]
+
+
 def check_sampling(
     decoder: SpecDecoder,
     prompts: list[Prompt],
@@ -128,19 +160,12 @@ def check_sampling(
     """Draw `samples` completions of `positions + 1` tokens per prompt with speculative and with plain
     sampling (disjoint seeds), and test per generated position that both follow one distribution.
     A position where more than `max_pooled` of the samples are tokens too rare to test is INCONCLUSIVE."""
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
     cases = []
     for prompt in prompts:
-        drawn = {True: [], False: []}
-        for speculate in (True, False):
-            for i in range(samples):
-                # Unseeded requests, each from its own torch seed: the min(1, p/q) rule they are judged by (a seeded
-                # request's text is the seed's whether it drafts or not: sampling.KeyedDraws, tested in the suite)
-                torch.manual_seed(2 * i + int(speculate))
-                completion = decoder.generate(
-                    prompt.text, chat=chat, max_new_tokens=positions + 1, temperature=temperature, top_p=top_p,
-                    top_k=top_k, speculate=speculate,
-                )
-                drawn[speculate].append(completion.token_ids)
+        input_ids = decoder.encode(prompt.text, chat=chat)
+        drawn = {speculate: draw_samples(decoder, input_ids, samples, positions + 1, sampling, speculate)
+                 for speculate in (True, False)}
         for position in range(1, positions + 1):
             spec = [ids[position] for ids in drawn[True] if len(ids) > position]
             plain = [ids[position] for ids in drawn[False] if len(ids) > position]
