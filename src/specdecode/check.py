@@ -121,23 +121,17 @@ def draw_samples(decoder: SpecDecoder, input_ids: torch.Tensor, samples: int, ma
                  sampling: SamplingParams, speculate: bool) -> list[list[int]]:
     """`samples` completions of one prompt. Unseeded requests, each from its own torch seed: the min(1, p/q) rule
     they are judged by (a seeded request's text is the seed's whether it drafts or not: sampling.KeyedDraws, tested
-    in the suite). As rows of one batch (target passes shared; fixed draft length) where the backend holds them."""
+    in the suite). As rows of one batch (target passes shared; fixed draft length), as many as the backend holds."""
     backend = decoder.engine.backend
-    rows = min(SAMPLING_ROWS, samples)
-    stop = StopCondition(decoder.eos, (), decoder.tokenizer)
-    request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, speculate=speculate)
-    if backend.max_rows is not None and backend.max_rows < rows:  # e.g. a llama.cpp context made for one row
-        completions = []
-        for i in range(samples):
-            torch.manual_seed(2 * i + int(speculate))
-            completions.append(decoder.engine.generate(input_ids, **request).result().token_ids)
-        return completions
+    rows = min(SAMPLING_ROWS, samples, backend.max_rows or SAMPLING_ROWS)  # a llama.cpp context made for one row: 1
     engine = BatchEngine(backend, decoder.drafter if speculate else None, decoder.tokenizer, k=decoder.engine.k,
                          max_batch=rows)
+    stop = StopCondition(decoder.eos, (), decoder.tokenizer)
     seqs = []
     for i in range(samples):
         torch.manual_seed(2 * i + int(speculate))
-        seqs.append(engine.submit(input_ids, **request))
+        seqs.append(engine.submit(input_ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                  speculate=speculate))
     while engine.has_work:
         engine.step()
     return [seq.result.token_ids for seq in seqs]
