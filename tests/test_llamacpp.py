@@ -34,6 +34,12 @@ def backend(smol_gguf):
 
 
 @pytest.fixture(scope="module")
+def cold(smol_gguf):
+    """A row read from scratch every time (no prefix cache): where top-2 gaps are measured."""
+    return LlamaCppBackend(smol_gguf, threads=2, prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
 def prompts():
     tokenizer = load_tokenizer("smollm2-135m")
     return [tokenizer(text, return_tensors="pt").input_ids for text in TEXTS]
@@ -81,25 +87,104 @@ def test_a_stale_cache_entry_is_caught(backend, prompts, references, drafters, m
     assert any(out != ref for out, ref in zip(outputs, references))
 
 
-def test_rows_as_sequence_ids_equal_each_row_alone(smol_gguf, prompts, references):
+def test_rows_as_sequence_ids_equal_each_row_alone(smol_gguf, cold, prompts, references):
     batched = LlamaCppBackend(smol_gguf, threads=2, max_rows=4)
     engine = BatchEngine(batched, NgramDrafter(), k=4, max_batch=4)
     budgets = [NEW_TOKENS, NEW_TOKENS // 2, NEW_TOKENS, NEW_TOKENS // 3]  # rows leave at different steps
     requests = [dict(input_ids=prompts[i % len(prompts)], max_new_tokens=b) for i, b in enumerate(budgets)]
     seqs = engine.generate_all(requests)
-    identical = 0
-    for i, (seq, budget) in enumerate(zip(seqs, budgets)):
-        reference = references[i % len(prompts)][:budget]
-        diff = first_difference(seq.result.token_ids, reference)
-        if diff is None:
-            identical += 1
-            continue
-        # A pass over several sequences runs other kernels than a one-token pass: at a near-tie the rounding may
-        # pick the other token (measured: a top-2 gap of 0.007), as bf16 does on torch. Anything else is a bug.
-        gap = top2_gap(batched, torch.cat([requests[i]["input_ids"], torch.tensor([reference[:diff]])], 1))
-        assert gap < SMOL_NEAR_TIE, f"row {i} differs at token {diff}, top-2 gap {gap:.3g}: not a near-tie"
+    identical = sum(own_or_near_tie(cold, requests[i]["input_ids"], seq.result.token_ids,
+                                    references[i % len(prompts)][:budget])
+                    for i, (seq, budget) in enumerate(zip(seqs, budgets)))
     assert identical >= 2
     assert batched.rows == 0
+
+
+def own_or_near_tie(cold, prompt: torch.Tensor, got: list[int], reference: list[int]) -> bool:
+    """True where equal; where not, asserts the first difference is at a near-tie. A pass over several sequences runs
+    other kernels than a one-token pass: at a near-tie the rounding may pick the other token (measured: a top-2 gap of
+    0.007), as bf16 does on torch. Anything else is a bug."""
+    diff = first_difference(got, reference)
+    if diff is None:
+        return True
+    gap = top2_gap(cold, torch.cat([prompt, torch.tensor([reference[:diff]])], 1))
+    assert gap < SMOL_NEAR_TIE, f"differs at token {diff}, top-2 gap {gap:.3g}: not a near-tie"
+    return False
+
+
+def counting_decodes(backend, monkeypatch, fail=lambda tokens, seqs, flags: False) -> list:
+    """Record each llama_decode's (tokens, sequence ids, logit flags); `fail` says which to fail as llama.cpp would."""
+    calls, real = [], backend.context.decode
+
+    def decode(tokens, positions, seqs, logits):
+        calls.append((list(tokens), list(seqs), list(logits)))
+        if fail(tokens, seqs, logits):
+            raise BackendError("llama_decode failed (-3: injected)")
+        return real(tokens, positions, seqs, logits)
+
+    monkeypatch.setattr(backend.context, "decode", decode)
+    return calls
+
+
+def test_prompts_read_in_the_rows_pass_answer_as_each_row_alone(smol_gguf, cold, prompts, references, monkeypatch):
+    """Prompts waiting beside running rows are read in the rows' own llama_decode: several prompts in one, a chunk
+    wider than the context's batch read partly alone first. Every answer is still the row's own."""
+    batched = LlamaCppBackend(smol_gguf, threads=2, max_rows=4, max_pass=32)  # a decode holds 32 tokens
+    engine = BatchEngine(batched, NgramDrafter(), k=4, max_batch=4, prefill_chunk=30)
+    calls = counting_decodes(batched, monkeypatch)
+    long_prompt = prompts[2].repeat(1, 3)  # more than a decode holds beside the rows
+    order = [prompts[0], prompts[1], prompts[2], long_prompt]
+    seqs = [engine.submit(p, max_new_tokens=NEW_TOKENS) for p in order]
+    reports = []
+    while engine.has_work:
+        before = len(calls)
+        reports.append((engine.step(), len(calls) - before))
+    assert any(report.read_in_pass and report.admitted >= 2 and decodes == 1 for report, decodes in reports)
+    assert any(report.read_in_pass and decodes == 2 for report, decodes in reports)  # the part that did not fit
+    assert sum(report.prefill_tokens for report, _ in reports) == sum(p.shape[1] for p in order)
+    expected = references[:3] + [SpeculativeEngine(cold, None).generate(long_prompt, max_new_tokens=NEW_TOKENS)
+                                 .result().token_ids]
+    assert sum(own_or_near_tie(cold, p, seq.result.token_ids, ref) for p, seq, ref in zip(order, seqs, expected)) >= 3
+    assert batched.rows == 0 and not batched._reading
+
+
+MARKER = 31999  # a token only the doomed prompt holds
+
+
+@pytest.mark.parametrize("fault", ["fused-decode-once", "the-prompt-itself"])
+def test_a_read_that_fails_in_the_rows_pass_fails_only_its_request(smol_gguf, cold, prompts, references, monkeypatch,
+                                                                  fault):
+    """A fused decode that fails is undone and run again apart: once (say, the cache full for both), every request
+    answers; every time the doomed prompt's chunk is in a decode, only that request fails."""
+    batched = LlamaCppBackend(smol_gguf, threads=2, max_rows=3)
+    engine = BatchEngine(batched, None, max_batch=3, prefill_chunk=8)
+    failed = []
+
+    def fail(tokens, seqs, flags):
+        if fault == "fused-decode-once":
+            doom = not failed and len(set(seqs)) > 1 and not all(flags)
+        else:
+            doom = MARKER in tokens
+        failed.extend([True] if doom else [])
+        return doom
+
+    calls = counting_decodes(batched, monkeypatch, fail)
+    running = engine.submit(prompts[0], max_new_tokens=NEW_TOKENS)
+    engine.step()
+    doomed_prompt = torch.cat([prompts[1], torch.tensor([[MARKER]]), prompts[1]], 1)
+    doomed = engine.submit(doomed_prompt if fault == "the-prompt-itself" else prompts[1], max_new_tokens=NEW_TOKENS)
+    after = engine.submit(prompts[2], max_new_tokens=NEW_TOKENS)
+    while engine.has_work:
+        engine.step()
+    assert failed and any(len(set(seqs)) > 1 and not all(flags) for _, seqs, flags in calls)  # fused decodes ran
+    own_or_near_tie(cold, prompts[0], running.result.token_ids, references[0])
+    own_or_near_tie(cold, prompts[2], after.result.token_ids, references[2])
+    if fault == "the-prompt-itself":
+        assert doomed.result.finish_reason == "error" and not doomed.result.token_ids
+        assert len(failed) == 2  # in the rows' pass, then alone
+    else:
+        own_or_near_tie(cold, prompts[1], doomed.result.token_ids, references[1])
+    assert batched.rows == 0 and not batched._reading
 
 
 # --- sampling ------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Continuous batching with speculation per row: the one decoding step every path runs.
 
 Each step admits waiting requests (prefill), asks the controller for every row's draft plan, runs the rows'
-drafters, verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend pass, judges each row
-(`Sequence.judge`), keeps the accepted K/V (`Backend.keep`), tells the controller what the step measured and
-emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
+drafters, verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend pass (where the backend
+can, the same pass reads the next chunk of a waiting prompt), judges each row (`Sequence.judge`), keeps the accepted
+K/V (`Backend.keep`), tells the controller what the step measured and emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
 Greedy output per row equals the same request run alone; sampling stays lossless per row (each row
 keeps its own draws).
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import Backend, as_backend
-from .backends.base import RowReader
+from .backends.base import RowReader, read_each
 from .control import AdaptiveK, calibrate
 from .control.calibrate import WIDEST
 from .control.costs import Ema
@@ -62,8 +62,23 @@ class ChunkSizer:
         if tokens >= DEFAULT_PREFILL_CHUNK // 2:  # a short read is mostly a pass's fixed cost, not a rate
             self.read_s_per_token.update(seconds / tokens)
 
-    def observe_rows(self, seconds: float) -> None:
-        self.rows_part_s.update(seconds)
+    def observe_rows(self, seconds: float, read_in_pass: int = 0) -> None:
+        """A step's time past admission, prompt reads done alone left out; read_in_pass: prompt tokens its pass read
+        beside the rows (their reading, at the measured rate, is not the rows' part)."""
+        if read_in_pass:
+            if self.read_s_per_token.value is None:
+                return
+            seconds -= read_in_pass * self.read_s_per_token.value
+        self.rows_part_s.update(max(seconds, 0.0))
+
+
+@dataclass
+class PromptRead:
+    """A chunk of a waiting prompt read this step."""
+
+    seq: Sequence
+    reader: RowReader
+    tokens: torch.Tensor  # [1, n]
 
 
 @dataclass
@@ -81,6 +96,7 @@ class StepReport:
     admitted: int = 0  # requests prefilled this step (joined, or finished at their first token)
     admit_s: float = 0.0  # time spent prefilling them
     prefill_tokens: int = 0  # prompt tokens read this step (at most one chunk while other rows run)
+    read_in_pass: int = 0  # of those, read in the rows' pass (verify_s then includes their reading)
     cached_tokens: int = 0  # prompt tokens rows started with from the prefix cache this step (not read)
     step_s: float = 0.0  # the whole step
     speculative: bool = False  # some row drafted this step
@@ -133,7 +149,8 @@ class BatchEngine:
         self.calibration = calibrate(self.controller, self.backend, drafter, widest) if adaptive and calibrate_costs else None
         self.rows: list[Sequence] = []
         self._pending: deque[Sequence] = deque()
-        self._reading: tuple[Sequence, RowReader] | None = None  # the request whose prompt is being read
+        # Requests whose prompts are being read, in arrival order: at most one is left part-read between steps
+        self._reading: list[tuple[Sequence, RowReader]] = []
         # Drafters of rows that left, for the next rows: at most max_batch are ever made (a llama.cpp draft is a
         # context of its own; one per queued request grew memory by GBs under a burst of requests).
         self._spare_drafters: list[Drafter] = []
@@ -186,10 +203,10 @@ class BatchEngine:
         with self._lock:
             dropped = self.rows + list(self._pending)
             self._pending.clear()
-        if self._reading is not None:
-            dropped.append(self._reading[0])
-            self._reading[1].discard()
-            self._reading = None
+        for seq, reader in self._reading:
+            dropped.append(seq)
+            reader.discard()
+        self._reading = []
         for seq in self.rows:
             self._give_back_drafter(seq)
         self.rows = []
@@ -202,14 +219,19 @@ class BatchEngine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> StepReport:
-        """admit -> plan -> draft -> fit -> pass, judge, keep -> observe -> emit. On an idle engine a step that admits
-        ends at the first tokens, so they reach the caller without waiting for a pass (running rows never wait)."""
+        """admit -> plan -> draft -> fit -> pass (+ a prompt chunk), judge, keep -> observe -> emit -> join. On an idle
+        engine a step that admits ends at the first tokens, so they reach the caller without waiting for a pass
+        (running rows never wait)."""
         start = time.perf_counter()
         report = StepReport()
         self._leave([s for s in self.rows if s.cancelled], report, reason="cancelled")
         idle = not self.rows
-        self._admit(report)
+        reads = self._admit(report)
+        if reads and not self.backend.reads_in_pass:  # read before the rows' pass; the rows joining are in it
+            self._finish_reads(reads, self._read_alone(reads), report)
+            reads = []
         report.admit_s = time.perf_counter() - start
+        outcomes = None
         if self.rows and not (idle and report.admitted):
             trees = self._trees_on()
             plan = self.controller.plan_step(self.rows, trees)
@@ -219,10 +241,12 @@ class BatchEngine:
                 self.controller.fit(self.rows, plan, drafts)
                 layouts = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if trees else None)
                            for seq, d in zip(self.rows, drafts)]
-                accepted = self._verify(layouts, drafts, report)
+                accepted, outcomes = self._verify(layouts, drafts, report, reads)
                 self.controller.observe(self._outcome(layouts, drafts, accepted, timings, report))
                 self._emit(drafts, accepted, report)
-            self.chunks.observe_rows(time.perf_counter() - start - report.admit_s)
+            self.chunks.observe_rows(time.perf_counter() - start - report.admit_s, report.read_in_pass)
+        if reads:  # the rows that read beside the pass join after it (or, with no pass, read now)
+            self._finish_reads(reads, self._read_alone(reads) if outcomes is None else outcomes, report)
         report.step_s = time.perf_counter() - start
         return report
 
@@ -280,16 +304,22 @@ class BatchEngine:
             draft.alternatives = None
         return draft, seconds, readings
 
-    def _verify(self, layouts: list[TreeLayout], drafts: list[Draft], report: StepReport) -> list[int]:
-        """One pass over every row's [last] + draft (+ leaves), each row judged, the accepted K/V kept. Returns how
-        many draft tokens each row accepted."""
+    def _verify(self, layouts: list[TreeLayout], drafts: list[Draft], report: StepReport,
+                reads: list[PromptRead]) -> tuple[list[int], list]:
+        """One pass over every row's [last] + draft (+ leaves) and the prompt chunks to read beside them, each row
+        judged, the accepted K/V kept. Returns how many draft tokens each row accepted and each read's outcome."""
         t0 = time.perf_counter()
         tokens, widths, offsets, visibility = pack(layouts)
-        logits = self.backend.forward(tokens, widths, offsets, visibility)
+        if reads:
+            logits, outcomes = self.backend.forward_reading([(r.reader, r.tokens) for r in reads], tokens, widths,
+                                                            offsets, visibility)
+            report.read_in_pass = sum(r.tokens.shape[1] for r in reads)
+        else:
+            logits, outcomes = self.backend.forward(tokens, widths, offsets, visibility), []
         accepted = self._judge(layouts, drafts, logits)
         self.backend.keep([layout.kept_inputs(n, seq.leaf) for seq, layout, n in zip(self.rows, layouts, accepted)])
         report.rows, report.width, report.verify_s = len(self.rows), tokens.shape[1], time.perf_counter() - t0
-        return accepted
+        return accepted, outcomes
 
     def _judge(self, layouts: list[TreeLayout], drafts: list[Draft], logits: torch.Tensor) -> list[int]:
         """Each row's draft judged from the pass's logits [B, W, V] (where the model runs): greedy chains all at once
@@ -318,7 +348,9 @@ class BatchEngine:
         rows = [RowOutcome(d.source, d.confidence, d.length, n, seconds - d.reading_s, d.match_len,
                            (seq.leaf is not None) if layout.leaves else None, layout.width, readings)
                 for seq, layout, d, n, (seconds, readings) in zip(self.rows, layouts, drafts, accepted, timings)]
-        return StepOutcome(tuple(seq.serial for seq in self.rows), report.width, report.verify_s, rows)
+        # a pass that also read a prompt chunk says nothing of what a pass of these rows costs
+        verify_s = None if report.read_in_pass else report.verify_s
+        return StepOutcome(tuple(seq.serial for seq in self.rows), report.width, verify_s, rows)
 
     def _emit(self, drafts: list[Draft], accepted: list[int], report: StepReport) -> None:
         for seq, draft, n in zip(self.rows, drafts, accepted):
@@ -337,43 +369,68 @@ class BatchEngine:
 
     # --- rows joining and leaving -----------------------------------------------------------------
 
-    def _admit(self, report: StepReport) -> None:
-        """Read waiting prompts into rows while there is room. While other rows run, one chunk (ChunkSizer) a step: a
-        long prompt is read over several steps, the others decoding in between. With none running, one whole prompt:
-        its first token goes out at once and the next prompts are read beside its row (reading all of a burst first
-        held every first token until the last prompt was read)."""
-        budget = self.chunks.chunk() if self.rows else None
-        while budget is None or budget > 0:
-            if self._reading is None and not self._open_next(report):
-                return
-            seq, reader = self._reading
+    def _admit(self, report: StepReport) -> list[PromptRead]:
+        """Read waiting prompts into rows while there is room. With none running, one whole prompt now: its first
+        token goes out at once and the next prompts are read beside its row (reading all of a burst first held every
+        first token until the last prompt was read). While rows run, returns this step's reads: one chunk
+        (ChunkSizer) over the waiting prompts in order, a long prompt read over several steps."""
+        if not self.rows:
+            self._read_one_whole(report)
+            return []
+        budget, reads, i = self.chunks.chunk(), [], 0
+        while budget > 0:
+            if i == len(self._reading) and not self._open_next(report):
+                break
+            seq, reader = self._reading[i]
             if seq.cancelled:
-                self._drop_reading(report, "cancelled")
+                self._drop_reading(i, report, "cancelled")
                 continue
-            done, left = seq.prompt_read, seq.prompt.shape[1] - seq.prompt_read
-            take = left if budget is None else min(budget, left)
-            t0 = time.perf_counter()
-            try:
-                logits = reader.read(seq.prompt[:, done : done + take])
-            except Exception as error:  # e.g. out of memory on a long prompt: this request fails, not the batch
-                seq.fail(error)
-                self._drop_reading(report)
+            take = min(budget, seq.prompt.shape[1] - seq.prompt_read)
+            reads.append(PromptRead(seq, reader, seq.prompt[:, seq.prompt_read : seq.prompt_read + take]))
+            budget -= take
+            i += 1
+        return reads
+
+    def _read_one_whole(self, report: StepReport) -> None:
+        """The first readable waiting prompt, read whole; it joins (a prompt that fails to read fails alone)."""
+        while self._reading or self._open_next(report):
+            seq, reader = self._reading[0]
+            if seq.cancelled:
+                self._drop_reading(0, report, "cancelled")
                 continue
-            self.chunks.observe_read(take, time.perf_counter() - t0)
-            seq.prompt_read += take
-            report.prefill_tokens += take
-            if budget is not None:
-                budget -= take
+            read = PromptRead(seq, reader, seq.prompt[:, seq.prompt_read :])
+            self._finish_reads([read], self._read_alone([read]), report)
             if seq.prompt_read == seq.prompt.shape[1]:
-                reader.join()
-                self._reading = None
-                self._join(seq, logits, report)
-                if budget is None:
-                    return
+                return
+
+    def _read_alone(self, reads: list[PromptRead]) -> list:
+        """Each read on its own (not in a pass), timed for the chunk size: its logits or the exception that failed it."""
+        t0 = time.perf_counter()
+        outcomes = read_each([(r.reader, r.tokens) for r in reads])
+        tokens = sum(r.tokens.shape[1] for r in reads)
+        self.chunks.observe_read(tokens, time.perf_counter() - t0)
+        return outcomes
+
+    def _finish_reads(self, reads: list[PromptRead], outcomes: list, report: StepReport) -> None:
+        """What each read did: a failed read fails its request (e.g. out of memory on a long prompt), not the batch;
+        a prompt read to its end joins the rows, in arrival order."""
+        for read, outcome in zip(reads, outcomes):
+            seq = read.seq
+            i = next(i for i, (s, _) in enumerate(self._reading) if s is seq)
+            if isinstance(outcome, Exception):
+                seq.fail(outcome)
+                self._drop_reading(i, report)
+                continue
+            seq.prompt_read += read.tokens.shape[1]
+            report.prefill_tokens += read.tokens.shape[1]
+            if seq.prompt_read == seq.prompt.shape[1]:
+                read.reader.join()
+                del self._reading[i]
+                self._join(seq, outcome, report)
 
     def _open_next(self, report: StepReport) -> bool:
         """Start reading the next waiting request if a row is free; False when there is none to read."""
-        while len(self.rows) < self.max_batch:
+        while len(self.rows) + len(self._reading) < self.max_batch:
             with self._lock:
                 if not self._pending:
                     return False
@@ -388,15 +445,14 @@ class BatchEngine:
                 seq.fail(error)
                 report.finished.append(seq)
                 continue
-            self._reading = (seq, reader)
+            self._reading.append((seq, reader))
             seq.prompt_read = seq.stats.cached_prompt_tokens = reader.cached  # a cached prefix is not read again
             report.cached_tokens += reader.cached
             return True
         return False
 
-    def _drop_reading(self, report: StepReport, reason: str | None = None) -> None:
-        seq, reader = self._reading
-        self._reading = None
+    def _drop_reading(self, i: int, report: StepReport, reason: str | None = None) -> None:
+        seq, reader = self._reading.pop(i)
         reader.discard()
         if reason and not seq.finished:
             seq.result.finish_reason = reason

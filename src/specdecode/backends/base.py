@@ -59,6 +59,8 @@ class Backend(ABC):
     supports_tree: bool = False
     max_rows: int | None = None  # rows it can hold side by side (None: as many as memory allows)
     prefix_cache: PrefixCache | None = None  # K/V of finished rows kept for later prompts (None: none kept)
+    # Its pass can also read prompt chunks of rows being read (forward_reading); False: the engine reads them alone.
+    reads_in_pass: bool = False
 
     @property
     def near_tie_gap(self) -> float:
@@ -142,6 +144,16 @@ class Backend(ABC):
         where the model runs (`device`): the engine judges greedy rows there and moves only their [B] verdicts. The
         pass's K/V stay pending until `keep`."""
 
+    def forward_reading(
+        self, reads: list[tuple["RowReader", torch.Tensor]], tokens: torch.Tensor, widths: list[int],
+        offsets: torch.Tensor | None = None, visibility: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list["torch.Tensor | Exception"]]:
+        """`forward` whose pass also reads each (reader, chunk [1, n]) (where `reads_in_pass`: one pass instead of a
+        pass per chunk beside the rows'). Returns the rows' logits as `forward` does and each read's outcome: the
+        logits after its last token [1, V], or the exception that failed it; a failed read leaves its reader as it
+        was and fails nothing else."""
+        raise BackendError(f"the {self.name} backend reads prompts apart from its passes")
+
     @abstractmethod
     def keep(self, kept: list[list[int]]) -> None:
         """After `forward`: row b keeps its inputs kept[b] (indices into the pass, increasing, starting with 0) as
@@ -190,6 +202,17 @@ class RowReader(ABC):
     @abstractmethod
     def discard(self) -> None:
         """Forget the row (its request was cancelled or failed)."""
+
+
+def read_each(reads: list[tuple[RowReader, torch.Tensor]]) -> list["torch.Tensor | Exception"]:
+    """Each (reader, chunk) read on its own: the logits after its last token, or the exception that failed it."""
+    outcomes: list[torch.Tensor | Exception] = []
+    for reader, chunk in reads:
+        try:
+            outcomes.append(reader.read(chunk))
+        except Exception as error:
+            outcomes.append(error)
+    return outcomes
 
 
 def chain_offsets(batch: int, width: int) -> torch.Tensor:

@@ -194,7 +194,8 @@ class AdaptiveK:
         if outcome.row_ids != self._rows_seen:  # a row joined or left
             self.rows_changed()
             self._rows_seen = outcome.row_ids
-        self.observe_pass(outcome.positions, len(outcome.row_ids), outcome.verify_s)
+        if outcome.verify_s is not None:
+            self.observe_pass(outcome.positions, len(outcome.row_ids), outcome.verify_s)
         for row in outcome.rows:
             self.observe_row(row.source, row.confidence, row.drafted, row.accepted, row.draft_s, row.leaf_used,
                              row.positions, row.match_len)

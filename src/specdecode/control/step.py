@@ -52,12 +52,13 @@ class RowOutcome:
 
 @dataclass
 class StepOutcome:
-    """What one step's pass measured: `rows` rows of `positions` positions in `verify_s`, the rows by identity (a pass
-    over other rows is not comparable with the last one), and each row's outcome."""
+    """What one step's pass measured: `rows` rows of `positions` positions in `verify_s` (None: the pass also read a
+    prompt chunk, its time says nothing of the rows'), the rows by identity (a pass over other rows is not comparable
+    with the last one), and each row's outcome."""
 
     row_ids: tuple[int, ...]
     positions: int
-    verify_s: float
+    verify_s: float | None
     rows: list[RowOutcome]
 
 
