@@ -1,9 +1,12 @@
 """In-process burst on the llama.cpp backend, without HTTP: N chat requests submitted at once to an idle engine, as
-`bench --endpoint` at N concurrent clients starts a level. Compares prompt chunks read in the rows' own decode (the
-default) with chunks read in a decode of their own beside the rows' pass, alternating the order each round; a fresh
-engine and drafter each run (no drafts from an earlier run's answers), prefix cache emptied.
+`bench --endpoint` at N concurrent clients starts a level. Compares the engine as it is with a variant (--vs):
+`apart`, prompt chunks read in a decode of their own beside the rows' pass instead of in the rows' own; `unpriced`,
+drafts priced as if the pass read no prompt beside the rows; `chunk:N`, N prompt tokens a step (`--chunk` fixes the
+engine's own, default measured). Alternates the order each round; a fresh engine and
+drafter each run (no drafts from an earlier run's answers), prefix cache emptied.
 
-  .venv/bin/python scripts/burst.py [--requests 8] [--rounds 2] [--max-new-tokens 64] [--draft auto|none]
+  .venv/bin/python scripts/burst.py [--vs apart|unpriced|chunk:N] [--chunk N] [--requests 8] [--rounds 2] [--max-new-tokens 64]
+                                    [--draft auto|none]
 
 Prints per run: wall, tok/s, TTFT p50 / max, when the last prompt was read, and per step what it read.
 """
@@ -24,9 +27,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--target", default="qwen2.5-coder-1.5b")
 parser.add_argument("--draft", default="auto")
 parser.add_argument("--requests", type=int, default=8)
+parser.add_argument("--first", type=int, default=16, help="the first of the Spec-Bench prompts (4 a task) to send")
 parser.add_argument("--rounds", type=int, default=2)
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--threads", type=int, default=2)
+parser.add_argument("--vs", default="apart", help="apart, unpriced or chunk:N")
+parser.add_argument("--chunk", type=int, default=None, help="prompt tokens a step as is (default: measured)")
 parser.add_argument("--verbose", action="store_true", help="print every step that read a prompt")
 args = parser.parse_args()
 
@@ -34,16 +40,21 @@ draft = None if args.draft == "none" else args.draft
 model, tok, _, k, adaptive = load_components(args.target, None, backend="llama.cpp", threads=args.threads,
                                              max_rows=args.requests, adaptive=draft is not None)
 stop = StopCondition(eos_token_ids(model, tok), (), tok)
-texts = [p.text for p in load_prompts(per_task=2)][: args.requests]
+# As `bench --endpoint --per-task 4 --requests 8` gives its third level (concurrency 8, one round): prompts 16-23
+texts = [p.text for p in load_prompts(per_task=4)][args.first : args.first + args.requests]
 prompts = [torch.tensor([encode_chat(tok, [{"role": "user", "content": text}])]) for text in texts]
 print(f"{model.describe()}; prompts of {sorted(p.shape[1] for p in prompts)} tokens; {args.max_new_tokens} new")
 
 
-def run(fused: bool) -> dict:
-    model.reads_in_pass = fused
+def run(variant: bool) -> dict:
+    model.reads_in_pass = not (variant and args.vs == "apart")
     model.drop_cached_prefixes()
     drafter = model.make_drafter(draft, tokenizer=tok, threads=args.threads) if draft else None
-    engine = BatchEngine(model, drafter, tok, k=k, adaptive=adaptive, max_batch=args.requests)
+    chunk = int(args.vs.split(":")[1]) if variant and args.vs.startswith("chunk:") else args.chunk
+    engine = BatchEngine(model, drafter, tok, k=k, adaptive=adaptive, max_batch=args.requests, prefill_chunk=chunk)
+    if variant and args.vs == "unpriced":
+        plan = engine.controller.plan_step
+        engine.controller.plan_step = lambda rows, trees, reading_s=0.0: plan(rows, trees)
     start = time.perf_counter()
     seqs = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in prompts]
     first: dict[int, float] = {}
@@ -61,18 +72,21 @@ def run(fused: bool) -> dict:
     wall = time.perf_counter() - start
     tokens = sum(len(s.result.token_ids) for s in seqs)
     ttft = sorted(first.values())
-    return dict(wall=wall, tps=tokens / wall, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1], read=read_until)
+    return dict(wall=wall, tps=tokens / wall, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1], read=read_until,
+                drafted=sum(s.stats.drafted_tokens for s in seqs), accepted=sum(s.stats.accepted_tokens for s in seqs))
 
 
 rows = []
+names = {False: "as is", True: args.vs}
 for r in range(args.rounds):
-    for fused in ((True, False) if r % 2 == 0 else (False, True)):
-        result = run(fused)
-        rows.append((fused, result))
-        print(f"round {r + 1} {'in the rows pass' if fused else 'apart          '}: wall {result['wall']:6.1f} s, "
+    for variant in ((False, True) if r % 2 == 0 else (True, False)):
+        result = run(variant)
+        rows.append((variant, result))
+        print(f"round {r + 1} {names[variant]:>8}: wall {result['wall']:6.1f} s, "
               f"{result['tps']:5.2f} tok/s, TTFT p50 {result['ttft_p50']:5.1f} s max {result['ttft_max']:5.1f} s, "
-              f"reading done at {result['read']:5.1f} s", flush=True)
-for fused in (True, False):
-    walls = [res["wall"] for f, res in rows if f == fused]
-    print(f"{'in the rows pass' if fused else 'apart'}: wall median {statistics.median(walls):.1f} s "
+              f"reading done at {result['read']:5.1f} s, drafted {result['drafted']} accepted {result['accepted']}",
+              flush=True)
+for variant in (False, True):
+    walls = [res["wall"] for v, res in rows if v == variant]
+    print(f"{names[variant]}: wall median {statistics.median(walls):.1f} s "
           f"(min {min(walls):.1f}, max {max(walls):.1f})")

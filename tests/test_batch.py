@@ -78,7 +78,7 @@ def test_lookup_only_batches_equal_solo_greedy_output(target, near_draft, refere
     drafter = ComboDrafter(ModelDrafter(near_draft), min_match=2) if which == "auto" else NgramDrafter()
     # Verify every lookup draft whole: whether plan_free finds them worth it depends on measured timings (its own
     # test covers that choice); this test is about the output when they are verified.
-    monkeypatch.setattr(BatchPolicy, "plan_free", lambda self, rows, drafts: max((d.length for d in drafts), default=0))
+    monkeypatch.setattr(BatchPolicy, "plan_free", lambda self, rows, drafts, *_: max((d.length for d in drafts), default=0))
     engine = BatchEngine(target, drafter, k=4, adaptive=True, max_batch=4)
     model_drafts_at = []  # rows in the batch whenever the draft model drafted
     propose = ModelDrafter.propose
@@ -209,7 +209,7 @@ def test_batched_sampling_matches_target_distribution(small_vocab_pair, params):
 def test_batched_lookup_drafts_keep_sampling_lossless(small_vocab_pair, params, model_drafting_never_pays, monkeypatch):  # noqa: F811
     target, _ = small_vocab_pair
     # Losslessness, not the decision, is under test: verify every lookup draft in full.
-    monkeypatch.setattr(BatchPolicy, "plan_free", lambda self, rows, drafts: max(d.length for d in drafts))
+    monkeypatch.setattr(BatchPolicy, "plan_free", lambda self, rows, drafts, *_: max(d.length for d in drafts))
     prompt = random_prompt(5, 6, vocab=VOCAB)
     engine = BatchEngine(target, NgramDrafter(max_ngram=2), k=2, adaptive=True, max_batch=32)
     stats = sample_many_and_compare(engine, target, prompt, params)

@@ -184,6 +184,8 @@ def test_load_aware_control_turns_speculation_off_as_the_batch_grows():
     assert sixteen.cap == 0 and ctl.plan(10, batch=sixteen).length == 0  # sixteen rows: plain decoding for all
     assert ctl.batch.plan(2).cap > 0  # two rows: verification is still nearly free
     assert ctl.batch.decisions[16] == [1, 0] and ctl.batch.decisions[2] == [0, 1]
+    # a pass that reads 2 s of a prompt beside the rows anyway: the drafts' share of the step is small, they pay
+    assert ctl.batch.plan(16, reading_s=2.0).cap > 0
     ctl.costs.observe_draft_prefill(100, 0.5)  # drafters that never drafted would first read their prompts:
     assert ctl.batch.plan(2, unread_prompt_tokens=400).cap == 0  # a one-off 2 s the step would pay
 
@@ -248,6 +250,8 @@ def test_lookup_drafts_in_a_batch_keep_what_pays():
     for _ in range(30):
         steep.observe_row("ngram", None, drafted=6, accepted=6, draft_s=0.0)
     assert steep.batch.plan_free(4, [ngram(6), empty, empty, empty]) == 0
+    # beside a prompt's reading (2 s in the same pass) the widening costs little of the step
+    assert steep.batch.plan_free(4, [ngram(6), empty, empty, empty], reading_s=2.0) == 6
     assert steep.batch.plan_free(4, [ngram(6)] * 4) == 6
 
 

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from replay import simulate_costs
 from serving import MODEL, RunningServer, error_of, free_port, post
@@ -73,6 +74,25 @@ def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target
         engine.step()
     for seq, prompt in zip(burst, prompts):
         assert seq.result.token_ids == reference_greedy(target, prompt, 20)
+
+
+def test_the_fewest_tokens_to_read_go_first_and_none_is_passed_over_more_than_a_batch(target):
+    engine = BatchEngine(target, None, max_batch=2, prefill_chunk=16)
+    cached = random_prompt(1, 100)
+    engine.generate_all([dict(input_ids=cached, max_new_tokens=4)])  # its K/V stay in the prefix cache
+    prompts = [random_prompt(2, 120), random_prompt(3, 30), torch.cat([cached, random_prompt(4, 5)], 1),
+               random_prompt(5, 10), random_prompt(6, 10), random_prompt(7, 10)]
+    seqs = [engine.submit(p, max_new_tokens=4) for p in prompts]
+    order = []  # requests in the order their first tokens came
+    while engine.has_work:
+        for seq, _ in engine.step().events:
+            order += [] if seq in order else [seq]
+    # 5 tokens to read (the rest cached), then 10; the 120- and 30-token prompts were passed over twice (max_batch):
+    # they go next, in arrival order, before the other 10-token ones
+    assert [seqs.index(seq) for seq in order] == [2, 3, 0, 1, 4, 5]
+    assert seqs[1].overtaken == 2 and seqs[0].overtaken == 2
+    for seq, prompt in zip(seqs, prompts):
+        assert seq.result.token_ids == reference_greedy(target, prompt, 4)
 
 
 def test_the_chunk_grows_when_the_rows_part_of_a_step_is_dear():

@@ -58,6 +58,10 @@ class ChunkSizer:
         wanted = READ_PER_ROWS_PART * self.rows_part_s.value / max(self.read_s_per_token.value, 1e-9)
         return int(min(MAX_PREFILL_CHUNK, max(DEFAULT_PREFILL_CHUNK, wanted)))
 
+    def seconds(self, tokens: int) -> float:
+        """What reading `tokens` prompt tokens is expected to take (0 before a reading was measured)."""
+        return tokens * (self.read_s_per_token.value or 0.0)
+
     def observe_read(self, tokens: int, seconds: float) -> None:
         if tokens >= DEFAULT_PREFILL_CHUNK // 2:  # a short read is mostly a pass's fixed cost, not a rate
             self.read_s_per_token.update(seconds / tokens)
@@ -65,11 +69,9 @@ class ChunkSizer:
     def observe_rows(self, seconds: float, read_in_pass: int = 0) -> None:
         """A step's time past admission, prompt reads done alone left out; read_in_pass: prompt tokens its pass read
         beside the rows (their reading, at the measured rate, is not the rows' part)."""
-        if read_in_pass:
-            if self.read_s_per_token.value is None:
-                return
-            seconds -= read_in_pass * self.read_s_per_token.value
-        self.rows_part_s.update(max(seconds, 0.0))
+        if read_in_pass and self.read_s_per_token.value is None:
+            return
+        self.rows_part_s.update(max(seconds - self.seconds(read_in_pass), 0.0))
 
 
 @dataclass
@@ -234,7 +236,7 @@ class BatchEngine:
         outcomes = None
         if self.rows and not (idle and report.admitted):
             trees = self._trees_on()
-            plan = self.controller.plan_step(self.rows, trees)
+            plan = self.controller.plan_step(self.rows, trees, self.chunks.seconds(sum(r.tokens.shape[1] for r in reads)))
             report.cap, report.lookup_only = plan.cap, plan.lookup_only
             drafts, timings = self._draft(plan, report)
             if self.rows:
@@ -431,10 +433,9 @@ class BatchEngine:
     def _open_next(self, report: StepReport) -> bool:
         """Start reading the next waiting request if a row is free; False when there is none to read."""
         while len(self.rows) + len(self._reading) < self.max_batch:
-            with self._lock:
-                if not self._pending:
-                    return False
-                seq = self._pending.popleft()
+            seq = self._next_waiting()
+            if seq is None:
+                return False
             if seq.cancelled:
                 seq.result.finish_reason = "cancelled"
                 report.finished.append(seq)
@@ -450,6 +451,25 @@ class BatchEngine:
             report.cached_tokens += reader.cached
             return True
         return False
+
+    def _next_waiting(self) -> Sequence | None:
+        """The waiting request with the fewest prompt tokens to read (a short prompt's first token does not wait for a
+        long one's reading, and its row decodes cheaply beside that reading), the oldest first among equals; a
+        request passed over max_batch times goes next (no prompt starves behind a stream of short ones)."""
+        with self._lock:
+            if not self._pending:
+                return None
+            oldest = self._pending[0]
+            if oldest.overtaken >= self.max_batch:
+                chosen = oldest
+            else:
+                chosen = min(self._pending, key=lambda seq: self.backend.to_read(seq.prompt))  # min keeps the first
+            for seq in self._pending:
+                if seq is chosen:
+                    break
+                seq.overtaken += 1
+            self._pending.remove(chosen)
+        return chosen
 
     def _drop_reading(self, i: int, report: StepReport, reason: str | None = None) -> None:
         seq, reader = self._reading.pop(i)

@@ -82,6 +82,7 @@ class Sequence:
         self.drafter = drafter
         self.speculate = drafter is not None  # the batched engine hands it a drafter when it joins the rows
         self.prompt_read = 0  # prompt tokens the target has read (a long prompt is read over several steps)
+        self.overtaken = 0  # requests that came later but were read before it (the engine bounds this)
         self.draws = sampling.draws()  # None when greedy
         self.result = GenerationResult()
         self.result.stats.prompt_tokens = self.prompt.shape[1]

@@ -119,6 +119,10 @@ class Backend(ABC):
         prompt [1, L]: what the row will read; with a prefix cache the row starts from the longest prefix of it held
         (`reader.cached` positions are in place: read prompt[:, reader.cached:])."""
 
+    def to_read(self, prompt: torch.Tensor) -> int:
+        """Tokens of a prompt [1, L] a row opened now would read (what the prefix cache holds of it is not read)."""
+        return prompt.shape[1] - (self.prefix_cache.shared(prompt[0].numpy()) if self.prefix_cache is not None else 0)
+
     def drop_cached_prefixes(self) -> None:
         """Forget every cached prefix (a benchmark starts each prompt cold)."""
 

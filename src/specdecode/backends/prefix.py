@@ -51,8 +51,20 @@ class PrefixCache:
     def find(self, prompt: list[int] | np.ndarray) -> tuple[Hashable | None, int]:
         """The entry sharing the longest prefix with the prompt, and how many tokens it shares, at most all but the
         prompt's last (whose logits the reader must compute). (None, 0) when none shares MIN_SHARED tokens."""
-        prompt = np.asarray(prompt)
         self.stats.lookups += 1
+        best, best_len = self._longest(np.asarray(prompt))
+        if best is None:
+            return None, 0
+        self.entries.move_to_end(best)
+        self.stats.hits += 1
+        self.stats.cached_tokens += best_len
+        return best, best_len
+
+    def shared(self, prompt: list[int] | np.ndarray) -> int:
+        """The tokens `find` would serve the prompt now, without using the entry (for choosing whom to read next)."""
+        return self._longest(np.asarray(prompt))[1]
+
+    def _longest(self, prompt: np.ndarray) -> tuple[Hashable | None, int]:
         best, best_len = None, 0
         for key, tokens in self.entries.items():
             n = common_prefix(tokens, prompt)
@@ -61,9 +73,6 @@ class PrefixCache:
         best_len = min(best_len, len(prompt) - 1)
         if best is None or best_len < MIN_SHARED:
             return None, 0
-        self.entries.move_to_end(best)
-        self.stats.hits += 1
-        self.stats.cached_tokens += best_len
         return best, best_len
 
     def add(self, key: Hashable, tokens: list[int] | np.ndarray) -> list[Hashable]:

@@ -81,6 +81,7 @@ class AdaptiveK:
         self.model_off: str | None = None  # why model drafts are off on this machine (None: they may pay)
         self.batch = BatchPolicy(self.measured, max_k, probe_every)
         self.rows = 1  # rows in the step being planned (a row's share of the pass)
+        self.reading_s = 0.0  # prompt reading the planned step's pass carries beside the rows (plan_step)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
 
     @property
@@ -150,16 +151,18 @@ class AdaptiveK:
 
     # --- the engine's step (control.step.Controller) -------------------------------------------------
 
-    def plan_step(self, rows: list[Sequence], trees: bool) -> StepPlan:
+    def plan_step(self, rows: list[Sequence], trees: bool, reading_s: float = 0.0) -> StepPlan:
         """Every row's draft: the batch's cap first (the pass is as wide as its widest row), then each row by the
         single-sequence rule under it. A batch size whose plain pass is not measured yet runs one plain step first:
-        drafting there is priced against it."""
+        drafting there is priced against it. A pass that reads a prompt chunk too (reading_s) costs that much more
+        whatever the rows draft: a draft's tokens then cost less of the step (batch and lookup pricing see it)."""
         n = self.rows = len(rows)
+        self.reading_s = reading_s
         if not self.measured.costs.measured(1, n):
             return StepPlan([RowPlan() for _ in rows])
         drafting = [seq for seq in rows if seq.drafter is not None]
         unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
-        batch = self.batch.plan(n, unread, ready_rows=sum(seq.drafter_ready for seq in drafting))
+        batch = self.batch.plan(n, unread, ready_rows=sum(seq.drafter_ready for seq in drafting), reading_s=reading_s)
         lookup_only = n > 1 and batch.cap == 0  # model drafting does not pay for this batch; free lookups still may
         return StepPlan([self._row(seq, trees, batch, lookup_only) for seq in rows], batch.cap, lookup_only)
 
@@ -180,7 +183,7 @@ class AdaptiveK:
 
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
         if plan.lookup_only:
-            keep = self.batch.plan_free(len(rows), drafts)
+            keep = self.batch.plan_free(len(rows), drafts, self.reading_s)
             for draft in drafts:
                 draft.truncate(keep)
             return
@@ -289,7 +292,7 @@ class AdaptiveK:
         width, rows = _widths(draft), self.rows
         # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
-        verify = lambda positions: self.measured.costs.verify_time(positions, rows) / rows  # noqa: E731
+        verify = lambda positions: (self.measured.costs.verify_time(positions, rows) + self.reading_s) / rows  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
         for n, accepted in enumerate(self.measured.expected_accepted(draft.source, draft.length, draft.match_len), 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)

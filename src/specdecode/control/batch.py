@@ -40,22 +40,23 @@ class BatchPolicy:
         self.plain_steps = 0
         self.decisions: dict[int, list[int]] = {}  # rows -> [plain steps, speculative steps]
 
-    def plan(self, rows: int, unread_prompt_tokens: int = 0, ready_rows: int | None = None) -> BatchDecision:
+    def plan(self, rows: int, unread_prompt_tokens: int = 0, ready_rows: int | None = None,
+             reading_s: float = 0.0) -> BatchDecision:
         """The most any row may draft this step for a batch of `rows` rows. unread_prompt_tokens: prompt tokens the
         drafters of rows that never drafted would have to read first (a one-off cost a drafting step pays).
         ready_rows: rows whose drafter has read its prompt (None: all); a probe uses one of them, and is skipped when
         there is none, so it never pays a prompt reading. Lookup drafts (`plan_free`) are planned apart: the cost
-        here is the model's."""
+        here is the model's. reading_s: prompt reading the step's pass carries whatever the rows draft."""
         if rows == 1:
             return BatchDecision(1, None)
         costs = self.measured.costs
-        t = lambda positions: costs.verify_time(positions, rows)  # noqa: E731
+        t = lambda positions: costs.verify_time(positions, rows) + reading_s  # noqa: E731
         t_draft = costs.draft_time() if costs.draft_token_s else None
         alpha = min(self.measured.first_accept.value, 0.99)
         # Nothing measured yet (a server that starts under load): no model drafting on a guess. A whole batch
         # drafting at full length, every row first reading its prompt, is the dearest step there is.
         best_k, probe_rows = 0, None
-        if t(1) is not None and t_draft is not None:
+        if costs.verify_time(1, rows) is not None and t_draft is not None:
             best_rate = priors.BATCH_MIN_GAIN * rows / t(1)
             catch_up = unread_prompt_tokens * (costs.draft_prefill_token_s.value or 0.0)
             for k in range(1, self.max_k + 1):
@@ -74,15 +75,15 @@ class BatchPolicy:
         self.decisions.setdefault(rows, [0, 0])[best_k > 0] += 1
         return BatchDecision(rows, best_k, probe_rows)
 
-    def plan_free(self, rows: int, drafts: list) -> int:
+    def plan_free(self, rows: int, drafts: list, reading_s: float = 0.0) -> int:
         """When model drafting does not pay for the batch: how many tokens of each row's free (lookup)
         draft to verify. The pass is as wide as its widest row, so every row pays for the widest draft;
         the length maximises the batch's expected tokens per second from the measured acceptance by
-        position of each draft's source (0: a plain step)."""
+        position of each draft's source (0: a plain step); reading_s: prompt reading the pass carries anyway."""
         longest = max((d.length for d in drafts), default=0)
-        t = lambda positions: self.measured.costs.verify_time(positions, rows)  # noqa: E731
-        if not longest or t(1) is None:
+        if not longest or self.measured.costs.verify_time(1, rows) is None:
             return 0
+        t = lambda positions: self.measured.costs.verify_time(positions, rows) + reading_s  # noqa: E731
         expected = [self.measured.expected_accepted(d.source, d.length, d.match_len) for d in drafts if d.length]
         best_n, best_rate = 0, priors.FREE_MIN_GAIN * rows / t(1)
         for n in range(1, longest + 1):
