@@ -68,7 +68,8 @@ def run(variant: bool) -> dict:
             read_until = now
             if args.verbose:
                 print(f"  {now:6.1f}s read {report.prefill_tokens:4d} (in pass {report.read_in_pass:4d}) rows "
-                      f"{report.rows} width {report.width} verify {report.verify_s:.2f}s step {report.step_s:.2f}s")
+                      f"{report.rows} width {report.width} draft {report.draft_s:.2f}s verify {report.verify_s:.2f}s step "
+                      f"{report.step_s:.2f}s")
     wall = time.perf_counter() - start
     tokens = sum(len(s.result.token_ids) for s in seqs)
     ttft = sorted(first.values())
