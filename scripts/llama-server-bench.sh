@@ -6,6 +6,8 @@
 # task) by default: 3 levels x 8 requests, none a repeat of an earlier one.
 # Needs the tools of scripts/build-llama-server.sh. Not part of CI.
 # Usage: [ONLY="llama-server specdecode"] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
+# The venv's install is editable: a server started mid-run imports the checkout as it is then. To edit while it runs,
+# bench a worktree: git worktree add /tmp/wt HEAD; SPECDECODE="env PYTHONPATH=/tmp/wt/src .venv/bin/specdecode" ...
 # e.g. conversations: ... bench-out/chat 1 --traffic chat --turns 4 --concurrency 1 --requests 3 --prompts edits
 set -euo pipefail
 OUT=${1:-bench-out/llama-server}; shift || true

@@ -3,7 +3,8 @@
 Each step admits waiting requests (prefill), asks the controller for every row's draft plan, runs the rows'
 drafters, verifies all rows' [last] + draft (+ tree leaves for a row alone) in one backend pass (where the backend
 can, the same pass reads the next chunk of a waiting prompt), judges each row (`Sequence.judge`), keeps the accepted
-K/V (`Backend.keep`), tells the controller what the step measured and emits. The single-request engine (`engine.SpeculativeEngine`) is this engine with one row.
+K/V (`Backend.keep`), tells the controller what the step measured and emits. The single-request engine
+(`engine.SpeculativeEngine`) is this engine with one row.
 Greedy output per row equals the same request run alone; sampling stays lossless per row (each row
 keeps its own draws).
 """
@@ -151,7 +152,7 @@ class BatchEngine:
         self.calibration = calibrate(self.controller, self.backend, drafter, widest) if adaptive and calibrate_costs else None
         self.rows: list[Sequence] = []
         self._pending: deque[Sequence] = deque()
-        # Requests whose prompts are being read, in arrival order: at most one is left part-read between steps
+        # Requests whose prompts are being read, in the order opened: at most one is left part-read between steps
         self._reading: list[tuple[Sequence, RowReader]] = []
         # Drafters of rows that left, for the next rows: at most max_batch are ever made (a llama.cpp draft is a
         # context of its own; one per queued request grew memory by GBs under a burst of requests).
@@ -236,7 +237,8 @@ class BatchEngine:
         outcomes = None
         if self.rows and not (idle and report.admitted):
             trees = self._trees_on()
-            plan = self.controller.plan_step(self.rows, trees, self.chunks.seconds(sum(r.tokens.shape[1] for r in reads)))
+            reading_s = self.chunks.seconds(sum(r.tokens.shape[1] for r in reads))
+            plan = self.controller.plan_step(self.rows, trees, reading_s)
             report.cap, report.lookup_only = plan.cap, plan.lookup_only
             drafts, timings = self._draft(plan, report)
             if self.rows:
@@ -375,7 +377,8 @@ class BatchEngine:
         """Read waiting prompts into rows while there is room. With none running, one whole prompt now: its first
         token goes out at once and the next prompts are read beside its row (reading all of a burst first held every
         first token until the last prompt was read). While rows run, returns this step's reads: one chunk
-        (ChunkSizer) over the waiting prompts in order, a long prompt read over several steps."""
+        (ChunkSizer) over the prompts being read, then the next waiting ones; a long prompt is read over several
+        steps."""
         if not self.rows:
             self._read_one_whole(report)
             return []
@@ -415,7 +418,7 @@ class BatchEngine:
 
     def _finish_reads(self, reads: list[PromptRead], outcomes: list, report: StepReport) -> None:
         """What each read did: a failed read fails its request (e.g. out of memory on a long prompt), not the batch;
-        a prompt read to its end joins the rows, in arrival order."""
+        a prompt read to its end joins the rows, in the order read."""
         for read, outcome in zip(reads, outcomes):
             seq = read.seq
             i = next(i for i, (s, _) in enumerate(self._reading) if s is seq)

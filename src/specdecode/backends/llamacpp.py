@@ -320,9 +320,9 @@ class LlamaCppBackend(Backend):
         return self._rows_logits(out, tokens.shape, widths)
 
     def forward_reading(self, reads, tokens, widths, offsets=None, visibility=None):
-        """One llama_decode over the rows' inputs and the readers' chunks (llama-server's way: a prompt's tokens cost
-        the same in a batch with the rows', while a pass of its own beside each chunk costs 0.1-0.5 s at 8 rows on 2
-        cores). What does not fit the context's batch is read first, alone. A fused decode that fails is undone and
+        """One llama_decode over the rows' inputs and the readers' chunks (llama-server's way: the rows' tokens ride in
+        the chunk's batch at about a prompt token's cost each, where a pass of their own beside each chunk cost 0.1-0.5
+        s at 8 rows on 2 cores). What does not fit the context's batch is read first, alone. A fused decode that fails is undone and
         run again as separate reads and a pass, so a read that cannot be done fails only its own request."""
         self.check_visibility(visibility)
         flat, positions, seqs = self._pass_inputs(tokens, widths, offsets)

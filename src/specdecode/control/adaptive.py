@@ -292,7 +292,8 @@ class AdaptiveK:
         width, rows = _widths(draft), self.rows
         # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
-        verify = lambda positions: (self.measured.costs.verify_time(positions, rows) + self.reading_s) / rows  # noqa: E731
+        reading = self.reading_s  # a prompt chunk the pass reads beside the rows costs the step that much anyway
+        verify = lambda positions: (self.measured.costs.verify_time(positions, rows) + reading) / rows  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
         for n, accepted in enumerate(self.measured.expected_accepted(draft.source, draft.length, draft.match_len), 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
