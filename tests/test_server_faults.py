@@ -112,6 +112,12 @@ def test_the_chunk_grows_when_the_rows_part_of_a_step_is_dear():
     for _ in range(30):
         sizer.observe_read(256, 256 * 1e-5)  # a GPU reads a token in microseconds
     assert sizer.chunk() == MAX_PREFILL_CHUNK
+    cpu = ChunkSizer(None)
+    cpu.observe_read(64, 64 * 0.015)
+    cpu.observe_rows(0.083)
+    assert cpu.chunk(waiting=300) == DEFAULT_PREFILL_CHUNK  # one prompt beside a row: the rows' rule
+    assert cpu.chunk(waiting=3000) == MAX_PREFILL_CHUNK  # a burst waits: read at the best rate
+    assert ChunkSizer(16).chunk(waiting=3000) == 16
 
 
 def test_the_engine_measures_its_chunk_while_it_reads_beside_rows(target):
