@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,9 @@ from .verify import greedy_accept
 DEFAULT_PREFILL_CHUNK = 64
 READ_PER_ROWS_PART = 8
 MAX_PREFILL_CHUNK = 512
+# The next prompt read is the one with the fewest tokens to read among this many waiting (the oldest first): a bound on
+# the work per admission (each is a prefix-cache lookup) under a long queue (1,500 queued requests made it quadratic).
+SHORTEST_AMONG = 16
 
 
 class ChunkSizer:
@@ -467,17 +471,18 @@ class BatchEngine:
         return False
 
     def _next_waiting(self) -> Sequence | None:
-        """The waiting request with the fewest prompt tokens to read (a short prompt's first token does not wait for a
-        long one's reading, and its row decodes cheaply beside that reading), the oldest first among equals; a
-        request passed over max_batch times goes next (no prompt starves behind a stream of short ones)."""
+        """The waiting request with the fewest prompt tokens to read, of the first SHORTEST_AMONG (a short prompt's
+        first token does not wait for a long one's reading, and its row decodes cheaply beside that reading), the
+        oldest first among equals; a request passed over max_batch times goes next (no prompt starves behind a stream
+        of short ones)."""
         with self._lock:
             if not self._pending:
                 return None
             oldest = self._pending[0]
             if oldest.overtaken >= self.max_batch:
                 chosen = oldest
-            else:
-                chosen = min(self._pending, key=lambda seq: self.backend.to_read(seq.prompt))  # min keeps the first
+            else:  # min keeps the first of equals
+                chosen = min(islice(self._pending, SHORTEST_AMONG), key=lambda seq: self.backend.to_read(seq.prompt))
             for seq in self._pending:
                 if seq is chosen:
                     break
