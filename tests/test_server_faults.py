@@ -95,6 +95,20 @@ def test_the_fewest_tokens_to_read_go_first_and_none_is_passed_over_more_than_a_
         assert seq.result.token_ids == reference_greedy(target, prompt, 4)
 
 
+def test_choosing_the_next_prompt_looks_at_a_bounded_window_of_a_long_queue(target, monkeypatch):
+    from specdecode.batch import SHORTEST_AMONG
+
+    engine = BatchEngine(target, None, max_batch=4)
+    lookups = []
+    real = engine.backend.to_read
+    monkeypatch.setattr(engine.backend, "to_read", lambda prompt: lookups.append(1) or real(prompt))
+    seqs = [engine.submit(random_prompt(9, 6), max_new_tokens=2) for _ in range(300)]
+    while engine.has_work:
+        engine.step()
+    assert all(len(seq.result.token_ids) == 2 for seq in seqs)
+    assert len(lookups) <= SHORTEST_AMONG * len(seqs)  # scanning the whole queue each time: ~45,000
+
+
 def test_the_chunk_grows_when_the_rows_part_of_a_step_is_dear():
     from specdecode.batch import DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK, READ_PER_ROWS_PART, ChunkSizer
 
