@@ -54,7 +54,7 @@ def run(variant: bool) -> dict:
     engine = BatchEngine(model, drafter, tok, k=k, adaptive=adaptive, max_batch=args.requests, prefill_chunk=chunk)
     if variant and args.vs == "unpriced":
         plan = engine.controller.plan_step
-        engine.controller.plan_step = lambda rows, trees, reading_s=0.0: plan(rows, trees)
+        engine.controller.plan_step = lambda rows, trees, reading=0: plan(rows, trees)
     start = time.perf_counter()
     seqs = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in prompts]
     first: dict[int, float] = {}

@@ -128,7 +128,8 @@ def counting_decodes(backend, monkeypatch, fail=lambda tokens, seqs, flags: Fals
 
 def test_prompts_read_in_the_rows_pass_answer_as_each_row_alone(smol_gguf, cold, prompts, references, monkeypatch):
     """Prompts waiting beside running rows are read in the rows' own llama_decode: several prompts in one, a chunk
-    wider than the context's batch read partly alone first. Every answer is still the row's own. (No drafts: one
+    wider than the room the rows leave in the context's batch cut to fit (the rest read the next step, not in a decode
+    of its own first). Every answer is still the row's own. (No drafts: one
     input a row, so which prompts share a decode is known; the rows test above reads beside drafting rows.)"""
     batched = LlamaCppBackend(smol_gguf, threads=2, max_rows=4, max_pass=32)  # a decode holds 32 tokens
     engine = BatchEngine(batched, None, max_batch=4, prefill_chunk=30)
@@ -142,8 +143,8 @@ def test_prompts_read_in_the_rows_pass_answer_as_each_row_alone(smol_gguf, cold,
         reports.append((engine.step(), len(calls) - before))
     # step 2: one row's token, 9 + 18 prompt tokens joining and 3 of the long one, in one decode
     assert reports[1][0].read_in_pass == 30 and reports[1][0].admitted == 2 and reports[1][1] == 1
-    # step 3: three rows' tokens, 30 of the long prompt: 1 read alone first, 29 in the rows' decode
-    assert reports[2][0].read_in_pass == 30 and reports[2][1] == 2
+    # step 3: three rows' tokens and the 29 of the long prompt there is room for, in one decode
+    assert reports[2][0].read_in_pass == 29 and reports[2][1] == 1
     assert sum(report.prefill_tokens for report, _ in reports) == sum(p.shape[1] for p in order)
     long_reference = SpeculativeEngine(cold, None).generate(long_prompt, max_new_tokens=NEW_TOKENS).result().token_ids
     expected = [references[0], references[1], references[1], long_reference]

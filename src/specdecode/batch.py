@@ -69,10 +69,6 @@ class ChunkSizer:
         wanted = READ_PER_ROWS_PART * self.rows_part_s.value / max(self.read_s_per_token.value, 1e-9)
         return int(min(MAX_PREFILL_CHUNK, max(DEFAULT_PREFILL_CHUNK, wanted)))
 
-    def seconds(self, tokens: int) -> float:
-        """What reading `tokens` prompt tokens is expected to take (0 before a reading was measured)."""
-        return tokens * (self.read_s_per_token.value or 0.0)
-
     def observe_read(self, tokens: int, seconds: float) -> None:
         if tokens >= DEFAULT_PREFILL_CHUNK // 2:  # a short read is mostly a pass's fixed cost, not a rate
             self.read_s_per_token.update(seconds / tokens)
@@ -82,7 +78,7 @@ class ChunkSizer:
         beside the rows (their reading, at the measured rate, is not the rows' part)."""
         if read_in_pass and self.read_s_per_token.value is None:
             return
-        self.rows_part_s.update(max(seconds - self.seconds(read_in_pass), 0.0))
+        self.rows_part_s.update(max(seconds - read_in_pass * (self.read_s_per_token.value or 0.0), 0.0))
 
 
 @dataclass
@@ -92,6 +88,18 @@ class PromptRead:
     seq: Sequence
     reader: RowReader
     tokens: torch.Tensor  # [1, n]
+
+
+def fit_reads(reads: list[PromptRead], room: int) -> list[PromptRead]:
+    """The reads cut to `room` tokens in all, in order (a chunk that did not fit whole was read alone first: a decode
+    of a few tokens costs about a one-token pass)."""
+    fitted = []
+    for read in reads:
+        if room <= 0:
+            break
+        fitted.append(PromptRead(read.seq, read.reader, read.tokens[:, :room]))
+        room -= fitted[-1].tokens.shape[1]
+    return fitted
 
 
 @dataclass
@@ -247,15 +255,14 @@ class BatchEngine:
         outcomes = None
         if self.rows and not (idle and report.admitted):
             trees = self._trees_on()
-            reading_s = self.chunks.seconds(sum(r.tokens.shape[1] for r in reads))
-            plan = self.controller.plan_step(self.rows, trees, reading_s)
+            plan = self.controller.plan_step(self.rows, trees, sum(r.tokens.shape[1] for r in reads))
             report.cap, report.lookup_only = plan.cap, plan.lookup_only
             drafts, timings = self._draft(plan, report)
             if self.rows:
                 self.controller.fit(self.rows, plan, drafts)
                 layouts = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if trees else None)
                            for seq, d in zip(self.rows, drafts)]
-                accepted, outcomes = self._verify(layouts, drafts, report, reads)
+                accepted, outcomes, reads = self._verify(layouts, drafts, report, reads)
                 self.controller.observe(self._outcome(layouts, drafts, accepted, timings, report))
                 self._emit(drafts, accepted, report)
             self.chunks.observe_rows(time.perf_counter() - start - report.admit_s, report.read_in_pass)
@@ -319,11 +326,14 @@ class BatchEngine:
         return draft, seconds, readings
 
     def _verify(self, layouts: list[TreeLayout], drafts: list[Draft], report: StepReport,
-                reads: list[PromptRead]) -> tuple[list[int], list]:
+                reads: list[PromptRead]) -> tuple[list[int], list, list[PromptRead]]:
         """One pass over every row's [last] + draft (+ leaves) and the prompt chunks to read beside them, each row
-        judged, the accepted K/V kept. Returns how many draft tokens each row accepted and each read's outcome."""
+        judged, the accepted K/V kept. Returns how many draft tokens each row accepted, and the reads the pass had
+        room for (the last chunks cut to fit; the rest is read next step) with each one's outcome."""
         t0 = time.perf_counter()
         tokens, widths, offsets, visibility = pack(layouts)
+        if reads and self.backend.pass_tokens is not None:
+            reads = fit_reads(reads, self.backend.pass_tokens - sum(widths))
         if reads:
             logits, outcomes = self.backend.forward_reading([(r.reader, r.tokens) for r in reads], tokens, widths,
                                                             offsets, visibility)
@@ -333,7 +343,7 @@ class BatchEngine:
         accepted = self._judge(layouts, drafts, logits)
         self.backend.keep([layout.kept_inputs(n, seq.leaf) for seq, layout, n in zip(self.rows, layouts, accepted)])
         report.rows, report.width, report.verify_s = len(self.rows), tokens.shape[1], time.perf_counter() - t0
-        return accepted, outcomes
+        return accepted, outcomes, reads
 
     def _judge(self, layouts: list[TreeLayout], drafts: list[Draft], logits: torch.Tensor) -> list[int]:
         """Each row's draft judged from the pass's logits [B, W, V] (where the model runs): greedy chains all at once

@@ -61,6 +61,7 @@ class Backend(ABC):
     prefix_cache: PrefixCache | None = None  # K/V of finished rows kept for later prompts (None: none kept)
     # Its pass can also read prompt chunks of rows being read (forward_reading); False: the engine reads them alone.
     reads_in_pass: bool = False
+    pass_tokens: int | None = None  # the most tokens one pass takes, rows' inputs and chunks together (None: no bound)
 
     @property
     def near_tie_gap(self) -> float:

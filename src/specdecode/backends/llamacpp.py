@@ -224,6 +224,10 @@ class LlamaCppBackend(Backend):
     def model_name(self) -> str:
         return self.model.path.stem
 
+    @property
+    def pass_tokens(self) -> int:
+        return self.context.n_batch
+
     def twin(self) -> "LlamaCppBackend":
         """A context of its own on the same loaded weights, without a prefix cache (a draft model's row)."""
         return LlamaCppBackend(self.model, threads=self.threads, window=self.context_window, prefix_cache=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import priors
-from .batch import BatchDecision, BatchPolicy
+from .batch import BatchDecision, BatchPolicy, most_saving
 from .measurements import Measurements
 from .step import LOOKUP, MODEL, RowPlan, StepOutcome, StepPlan
 
@@ -81,7 +81,7 @@ class AdaptiveK:
         self.model_off: str | None = None  # why model drafts are off on this machine (None: they may pay)
         self.batch = BatchPolicy(self.measured, max_k, probe_every)
         self.rows = 1  # rows in the step being planned (a row's share of the pass)
-        self.reading_s = 0.0  # prompt reading the planned step's pass carries beside the rows (plan_step)
+        self.reading = 0  # prompt tokens the planned step's pass reads beside the rows (plan_step)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
 
     @property
@@ -151,18 +151,18 @@ class AdaptiveK:
 
     # --- the engine's step (control.step.Controller) -------------------------------------------------
 
-    def plan_step(self, rows: list[Sequence], trees: bool, reading_s: float = 0.0) -> StepPlan:
+    def plan_step(self, rows: list[Sequence], trees: bool, reading: int = 0) -> StepPlan:
         """Every row's draft: the batch's cap first (the pass is as wide as its widest row), then each row by the
         single-sequence rule under it. A batch size whose plain pass is not measured yet runs one plain step first:
-        drafting there is priced against it. A pass that reads a prompt chunk too (reading_s) costs that much more
-        whatever the rows draft: a draft's tokens then cost less of the step (batch and lookup pricing see it)."""
+        drafting there is priced against it. In a pass that also reads `reading` prompt tokens, each drafted position
+        costs what it adds to that pass (batch and lookup pricing; a row alone too)."""
         n = self.rows = len(rows)
-        self.reading_s = reading_s
+        self.reading = reading
         if not self.measured.costs.measured(1, n):
             return StepPlan([RowPlan() for _ in rows])
         drafting = [seq for seq in rows if seq.drafter is not None]
         unread = sum(seq.prompt.shape[1] for seq in drafting if not seq.drafter_ready)
-        batch = self.batch.plan(n, unread, ready_rows=sum(seq.drafter_ready for seq in drafting), reading_s=reading_s)
+        batch = self.batch.plan(n, unread, ready_rows=sum(seq.drafter_ready for seq in drafting), reading=reading)
         lookup_only = n > 1 and batch.cap == 0  # model drafting does not pay for this batch; free lookups still may
         return StepPlan([self._row(seq, trees, batch, lookup_only) for seq in rows], batch.cap, lookup_only)
 
@@ -183,7 +183,7 @@ class AdaptiveK:
 
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
         if plan.lookup_only:
-            keep = self.batch.plan_free(len(rows), drafts, self.reading_s)
+            keep = self.batch.plan_free(len(rows), drafts, self.reading)
             for draft in drafts:
                 draft.truncate(keep)
             return
@@ -290,12 +290,18 @@ class AdaptiveK:
         if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
         width, rows = _widths(draft), self.rows
+        expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
+        if self.reading:  # beside a prompt reading: the length that saves the most time (no probes there)
+            per_position, saves = self.measured.costs.riding(rows)
+            saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1)
+                     for n, accepted in enumerate(expected, 1)]
+            draft.truncate(most_saving(saved))
+            return draft
         # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
-        reading = self.reading_s  # a prompt chunk the pass reads beside the rows costs the step that much anyway
-        verify = lambda positions: (self.measured.costs.verify_time(positions, rows) + reading) / rows  # noqa: E731
+        verify = lambda positions: self.measured.costs.verify_time(positions, rows) / rows  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
-        for n, accepted in enumerate(self.measured.expected_accepted(draft.source, draft.length, draft.match_len), 1):
+        for n, accepted in enumerate(expected, 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
             if rate > best_rate:
                 best_len, best_rate = n, rate

@@ -74,6 +74,25 @@ class CostModel:
         """Seconds per drafted token of the costliest drafter seen (with several, the model one)."""
         return max((e.value for e in self.draft_token_s.values() if e.value is not None), default=0.0)
 
+    def position_cost(self) -> float | None:
+        """Seconds a position adds to a pass at the wide end of what was measured (the widest pass against the one
+        about half as wide): what a row's position costs in a pass that also reads a prompt chunk, hundreds of
+        tokens wide, past where positions come nearly free. None: nothing measured yet."""
+        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
+        if len(known) < 2:
+            return known[0][1] / known[0][0] if known else None
+        n1, t1 = known[-1]
+        n0, t0 = max(((n, t) for n, t in known[:-1] if n <= n1 // 2), default=known[-2])
+        return max(t1 - t0, 0.0) / (n1 - n0)
+
+    def riding(self, rows: int) -> tuple[float, float] | None:
+        """Beside a prompt reading: (seconds a drafted position adds to the pass, seconds an accepted token saves: its
+        share of a plain step of these rows later). None: nothing measured yet. (Counting the whole reading as the
+        step's fixed cost made any draft look nearly free beside it; on a CPU a position there costs a prompt
+        token's compute, ~15 ms, about what 8 plain rows spend on a token.)"""
+        per_position, plain = self.position_cost(), self.verify_time(1, rows)
+        return None if per_position is None or plain is None else (per_position, plain / rows)
+
     def verify_time(self, positions: int, rows: int = 1) -> float | None:
         """Seconds for a pass of `rows` rows x `positions` positions: measured, or interpolated linearly
         between the nearest measured sizes, or extrapolated conservatively past them (None: nothing yet).

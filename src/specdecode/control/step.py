@@ -65,9 +65,9 @@ class StepOutcome:
 class Controller(Protocol):
     model_off: str | None  # why model drafts are off on this machine, said once in each request's stats
 
-    def plan_step(self, rows: list[Sequence], trees: bool, reading_s: float = 0.0) -> StepPlan:
-        """Every row's draft for this step. trees: the engine can verify tree leaves this step; reading_s: seconds of
-        prompt reading the step's pass carries beside the rows (a fixed cost of the step, drafts priced against it)."""
+    def plan_step(self, rows: list[Sequence], trees: bool, reading: int = 0) -> StepPlan:
+        """Every row's draft for this step. trees: the engine can verify tree leaves this step; reading: prompt
+        tokens the step's pass reads beside the rows (drafted positions then cost what they add to that pass)."""
 
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
         """Cut the drafts (in place) to what the plan's pricing says pays, now that their lengths are known."""
@@ -81,7 +81,7 @@ class FixedK:
 
     model_off = None
 
-    def plan_step(self, rows: list[Sequence], trees: bool, reading_s: float = 0.0) -> StepPlan:
+    def plan_step(self, rows: list[Sequence], trees: bool, reading: int = 0) -> StepPlan:
         return StepPlan([self._row(seq, trees) for seq in rows])
 
     @staticmethod
