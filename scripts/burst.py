@@ -2,7 +2,7 @@
 `bench --endpoint` at N concurrent clients starts a level. Compares the engine as it is with a variant (--vs):
 `apart`, prompt chunks read in a decode of their own beside the rows' pass instead of in the rows' own; `unpriced`,
 drafts priced as if the pass read no prompt beside the rows; `chunk:N`, N prompt tokens a step (`--chunk` fixes the
-engine's own, default measured). Alternates the order each round; a fresh engine and
+engine's own, default measured); `none`, the engine as is alone (to compare two trees run one after the other). Alternates the order each round; a fresh engine and
 drafter each run (no drafts from an earlier run's answers), prefix cache emptied.
 
   .venv/bin/python scripts/burst.py [--vs apart|unpriced|chunk:N] [--chunk N] [--requests 8] [--rounds 2] [--max-new-tokens 64]
@@ -31,7 +31,7 @@ parser.add_argument("--first", type=int, default=16, help="the first of the Spec
 parser.add_argument("--rounds", type=int, default=2)
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--threads", type=int, default=2)
-parser.add_argument("--vs", default="apart", help="apart, unpriced or chunk:N")
+parser.add_argument("--vs", default="apart", help="apart, unpriced, chunk:N or none (the engine as is only)")
 parser.add_argument("--chunk", type=int, default=None, help="prompt tokens a step as is (default: measured)")
 parser.add_argument("--verbose", action="store_true", help="print every step that read a prompt")
 args = parser.parse_args()
@@ -80,14 +80,14 @@ def run(variant: bool) -> dict:
 rows = []
 names = {False: "as is", True: args.vs}
 for r in range(args.rounds):
-    for variant in ((False, True) if r % 2 == 0 else (True, False)):
+    for variant in (False,) if args.vs == "none" else (False, True) if r % 2 == 0 else (True, False):
         result = run(variant)
         rows.append((variant, result))
         print(f"round {r + 1} {names[variant]:>8}: wall {result['wall']:6.1f} s, "
               f"{result['tps']:5.2f} tok/s, TTFT p50 {result['ttft_p50']:5.1f} s max {result['ttft_max']:5.1f} s, "
               f"reading done at {result['read']:5.1f} s, drafted {result['drafted']} accepted {result['accepted']}",
               flush=True)
-for variant in (False, True):
+for variant in (False,) if args.vs == "none" else (False, True):
     walls = [res["wall"] for v, res in rows if v == variant]
     print(f"{names[variant]}: wall median {statistics.median(walls):.1f} s "
           f"(min {min(walls):.1f}, max {max(walls):.1f})")
