@@ -115,6 +115,7 @@ def two_sample_test(a: list[int], b: list[int], min_expected: float = 5.0) -> tu
 
 
 SAMPLING_ROWS = 32  # completions drawn side by side where the backend holds that many rows
+CONTEXT_ROWS = 8  # rows of the llama.cpp context `check --temperature` loads (8 x 4,096 positions: ~0.9 GB of cells)
 
 
 def draw_samples(decoder: SpecDecoder, input_ids: torch.Tensor, samples: int, max_new_tokens: int,
@@ -123,7 +124,7 @@ def draw_samples(decoder: SpecDecoder, input_ids: torch.Tensor, samples: int, ma
     they are judged by (a seeded request's text is the seed's whether it drafts or not: sampling.KeyedDraws, tested
     in the suite). As rows of one batch (target passes shared; fixed draft length), as many as the backend holds."""
     backend = decoder.engine.backend
-    rows = min(SAMPLING_ROWS, samples, backend.max_rows or SAMPLING_ROWS)  # a llama.cpp context made for one row: 1
+    rows = min(SAMPLING_ROWS, samples, backend.max_rows or SAMPLING_ROWS)
     engine = BatchEngine(backend, decoder.drafter if speculate else None, decoder.tokenizer, k=decoder.engine.k,
                          max_batch=rows)
     stop = StopCondition(decoder.eos, (), decoder.tokenizer)

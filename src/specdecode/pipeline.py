@@ -105,14 +105,15 @@ class SpecDecoder:
     @classmethod
     def from_specs(
         cls, target: str, draft: str | None = None, *, dtype=None, k: int | None = None, adaptive: bool | None = None,
-        threads: int | None = None, compile_draft: bool = False, backend: str = "auto",
+        threads: int | None = None, compile_draft: bool = False, backend: str = "auto", max_rows: int = 1,
     ):
         """adaptive=None: see adaptive_by_default; k=None: 5 fixed, at most 8 adaptive;
         compile_draft: `auto` compiles its draft model's step (see `make_drafter`); backend: auto, torch or
-        llama.cpp (see backends.choose_backend)."""
+        llama.cpp (see backends.choose_backend); max_rows: rows the target holds side by side (a llama.cpp context
+        sized for them; torch holds as many as memory allows), for batches run on `engine.backend`."""
         model, tokenizer, drafter, k, adaptive = load_components(
             target, draft, dtype=dtype, k=k, adaptive=adaptive, threads=threads, compile_draft=compile_draft,
-            backend=backend)
+            backend=backend, max_rows=max_rows)
         return cls(model, tokenizer, drafter, k=k, adaptive=adaptive)
 
     @property

@@ -121,13 +121,14 @@ def cmd_check(args) -> int:
 
     from dataclasses import asdict
 
-    from ..check import check_greedy, check_sampling, summarize_greedy
+    from ..check import CONTEXT_ROWS, check_greedy, check_sampling, summarize_greedy
     from ..pipeline import SpecDecoder
 
     console = Console(stderr=True)
     prompts = _load_prompts(args)
     decoder = SpecDecoder.from_specs(args.target, args.draft, dtype=args.dtype, k=args.k, adaptive=args.adaptive, threads=args.threads,
-                                     compile_draft=_compile_draft(args, long_running=False), backend=args.backend)
+                                     compile_draft=_compile_draft(args, long_running=False), backend=args.backend,
+                                     max_rows=CONTEXT_ROWS if args.temperature > 0 else 1)
 
     def show(case):
         detail = "" if case.identical else f" first difference at token {case.first_difference}, top-2 gap {case.top2_gap:.4g}"
