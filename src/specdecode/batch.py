@@ -91,8 +91,8 @@ class PromptRead:
 
 
 def fit_reads(reads: list[PromptRead], room: int) -> list[PromptRead]:
-    """The reads cut to `room` tokens in all, in order (a chunk that did not fit whole was read alone first: a decode
-    of a few tokens costs about a one-token pass)."""
+    """The reads cut to `room` tokens in all, in order; the rest is read next step (`forward_reading` would read what
+    does not fit in a decode of its own, and a decode of a few tokens costs about a one-token pass)."""
     fitted = []
     for read in reads:
         if room <= 0:
