@@ -216,3 +216,27 @@ def test_a_prefix_evicted_while_the_prompt_is_read_changes_nothing(smol, target,
     else:
         assert seq.result.token_ids == expected
     assert running.result.finish_reason == "length"
+
+
+def test_llama_cpp_a_spare_keeps_only_the_prefix_a_new_prompt_shared(smol):
+    """llama.cpp attends over every occupied cell: a spare's tail that the new prompt did not share is dropped (K/V and
+    bookkeeping), and once the new row leaves, its spare holds the shared prefix and the old entry goes."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, _ = smol
+    backend = LlamaCppBackend(model, threads=2, max_rows=2)
+    pos_max = lambda seq: model.lib.llama_memory_seq_pos_max(backend.context.memory, seq)  # noqa: E731
+    engine = BatchEngine(backend, None, max_batch=2)
+    shared = random_prompt(3, 40, 49152)
+    engine.generate_all([dict(input_ids=torch.cat([shared, random_prompt(4, 30, 49152)], 1), max_new_tokens=6)])
+    (spare, held), = backend.prefix_cache.entries.items()
+    assert len(held) == pos_max(spare) + 1 == 40 + 30 + 6 - 1  # the last token was never fed back
+    later = torch.cat([shared, random_prompt(5, 20, 49152)], 1)
+    seq = engine.submit(later, max_new_tokens=6)
+    engine.step()
+    assert seq.stats.cached_prompt_tokens == 40
+    assert len(backend.prefix_cache.entries[spare]) == pos_max(spare) + 1 == 40
+    while engine.has_work:
+        engine.step()
+    (newer, held), = backend.prefix_cache.entries.items()
+    assert newer != spare and pos_max(spare) == -1 and held[:60].tolist() == later[0].tolist()
