@@ -49,6 +49,24 @@ def test_greedy_output_equals_target_greedy(target, near_draft, which):
     assert second > 0, f"{which} never drafted two tokens: the identity above proves little"
 
 
+def test_a_spawned_model_drafter_makes_its_row_when_it_first_drafts(target, near_draft, monkeypatch):
+    """A row's drafter gets its own draft-model row (a llama.cpp context: ~0.1 s) only when it drafts, not when the
+    request joins; then it drafts as the drafter it was spawned from."""
+    from specdecode.backends.torchdraft import TorchDraftModel
+
+    made = []
+    real_twin = TorchDraftModel.twin
+    monkeypatch.setattr(TorchDraftModel, "twin", lambda self: made.append(1) or real_twin(self))
+    root = ModelDrafter(near_draft)
+    spawned = root.spawn()
+    spawned.reset()
+    assert made == []
+    prompt = random_prompt(3, 12)
+    greedy = SamplingParams()
+    assert spawned.propose(prompt, 4, greedy, None).tokens.tolist() == root.propose(prompt, 4, greedy, None).tokens.tolist()
+    assert made == [1]
+
+
 def test_fast_drafter_still_gets_accepted(target):
     stats = SpeculativeEngine(target, fast_drafter(), k=4).generate(random_prompt(2, 8), max_new_tokens=40).result().stats
     assert stats.acceptance_rate > 0.3, stats.acceptance_rate

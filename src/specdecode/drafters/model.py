@@ -45,15 +45,28 @@ class ModelDrafter(Drafter):
         self.leaf_min_mass = leaf_min_mass
         self.reset()
 
+    @property
+    def model(self) -> DraftModel:
+        if self._model is None:
+            self._model = self._twin_of.twin()
+        return self._model
+
+    @model.setter
+    def model(self, model: DraftModel) -> None:
+        self._model, self._twin_of = model, None
+
     def spawn(self) -> "ModelDrafter":
         twin = copy.copy(self)
-        twin.model = self.model.twin()
+        # Its own row is made when it first drafts: a llama.cpp context takes ~0.1 s to make, on a request's way to its
+        # first token, and where model drafts cannot pay a row never drafts.
+        twin._model, twin._twin_of = None, self.model
         twin.forward_passes = 0
         twin.reset()
         return twin
 
     def reset(self) -> None:
-        self.model.clear()
+        if self._model is not None:
+            self._model.clear()
         self.cached_ids = torch.empty(1, 0, dtype=torch.long)  # tokens whose K/V the model's row holds
 
     def unread(self, input_ids: torch.Tensor) -> int:
