@@ -308,28 +308,3 @@ def test_load_rounds_reverse_the_endpoint_order(monkeypatch):
     assert firsts == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3  # the same prompts for every endpoint, fresh ones each time
     assert [(r["label"], r["concurrency"], r["requests"], r["output_tokens"]) for r in rows] == [
         (x, c, 2, 10) for c in (1, 4) for x in ("a", "b", "c")]
-
-
-def test_the_scheduler_waits_for_written_tokens_but_not_for_a_reader_that_left():
-    """InFlight: the next pass waits until the loop has written what the last step handed it (a timed wait), a reader
-    that went away releases its items, and items nobody reads hold up one wait only."""
-    from specdecode.server.service import Handle, InFlight
-
-    flight = InFlight()
-    a, b = (Handle(None, None, None, None, in_flight=flight) for _ in range(2))
-    for handle in (a, a, b):
-        flight.add(handle)
-    writer = threading.Timer(0.05, lambda: [flight.done(a), flight.done(a), flight.forget(b)])
-    start = time.monotonic()
-    writer.start()
-    flight.wait_drained(5.0)
-    assert 0.04 < time.monotonic() - start < 2.0  # woke when the last item was accounted for, not at the timeout
-    flight.add(b)  # its reader is gone: not counted
-    start = time.monotonic()
-    flight.wait_drained(5.0)
-    assert time.monotonic() - start < 0.05
-    flight.add(a)  # never written
-    start = time.monotonic()
-    flight.wait_drained(0.1)
-    flight.wait_drained(0.1)
-    assert 0.09 < time.monotonic() - start < 0.19  # the second wait did not wait for it again

@@ -62,7 +62,8 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     logprobs_sent: int = 0  # entries of seq.result.logprobs already handed over
     in_flight: "InFlight | None" = None
-    reader_gone: bool = False  # the HTTP side reads no more items
+    unsent: int = 0  # items put and not yet written out (counted under in_flight's lock)
+    reader_gone: bool = False
 
     def put(self, kind: str, value) -> None:
         try:
@@ -89,34 +90,36 @@ class InFlight:
     pass and hold up one of llama.cpp's compute threads."""
 
     def __init__(self):
-        self._unsent: dict[int, int] = {}  # id(handle) -> its items not yet written out
+        self._total = 0
         self._cond = threading.Condition()
 
     def add(self, handle: "Handle") -> None:
         with self._cond:
             if not handle.reader_gone:
-                self._unsent[id(handle)] = self._unsent.get(id(handle), 0) + 1
+                handle.unsent += 1
+                self._total += 1
 
     def done(self, handle: "Handle") -> None:
         with self._cond:
-            left = self._unsent.pop(id(handle), 0) - 1
-            if left > 0:
-                self._unsent[id(handle)] = left
-            elif not self._unsent:
-                self._cond.notify_all()
+            if handle.unsent:
+                handle.unsent -= 1
+                self._total -= 1
+            self._notify_if_drained()
 
     def forget(self, handle: "Handle") -> None:
         with self._cond:
             handle.reader_gone = True
-            self._unsent.pop(id(handle), None)
-            if not self._unsent:
-                self._cond.notify_all()
+            self._total -= handle.unsent
+            handle.unsent = 0
+            self._notify_if_drained()
+
+    def _notify_if_drained(self) -> None:
+        if not self._total:
+            self._cond.notify_all()
 
     def wait_drained(self, timeout: float) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._unsent, timeout):
-                # Not written by now: waited for no longer, so a reader that never comes holds up one step, not all.
-                self._unsent.clear()
+            self._cond.wait_for(lambda: not self._total, timeout)
 
 
 class SchedulerThread:
