@@ -240,12 +240,10 @@ async def _events(request: Request, service: Service, handle: Handle):
             except asyncio.TimeoutError:
                 continue
             yield kind, value
-            handle.sent()
             if kind in ("done", "error"):
                 finished = True
                 return
     finally:
-        handle.closed()
         if not finished:
             request.state.cancelled = True  # counted as 499 (Guard)
             service.cancel(handle)

@@ -32,8 +32,6 @@ log = logging.getLogger("specdecode.server")
 # they are freed: ten 1.2 MB prompts (refused after tokenizing: past the context window) left the server 650 MB
 # larger; malloc_trim gives it back.
 TRIM_AFTER_CHARS = 1 << 16
-# The longest the scheduler waits for the event loop to write a step's tokens out before the next pass.
-DRAIN_WAIT_S = 0.005
 
 
 def release_freed_memory() -> None:
@@ -61,65 +59,12 @@ class Handle:
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     logprobs_sent: int = 0  # entries of seq.result.logprobs already handed over
-    in_flight: "InFlight | None" = None
-    unsent: int = 0  # items put and not yet written out (counted under in_flight's lock)
-    reader_gone: bool = False
 
     def put(self, kind: str, value) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
         except RuntimeError:  # the request's event loop is gone
-            return
-        if self.in_flight is not None:
-            self.in_flight.add(self)
-
-    def sent(self) -> None:
-        """The HTTP side has written an item out."""
-        if self.in_flight is not None:
-            self.in_flight.done(self)
-
-    def closed(self) -> None:
-        """The HTTP side reads no more items (the answer ended, or the client went away)."""
-        if self.in_flight is not None:
-            self.in_flight.forget(self)
-
-
-class InFlight:
-    """Items handed to the event loop and not yet written out. The scheduler waits for none before its next pass: on a
-    2-core machine the loop's ~1 ms of work a token (SSE framing, the socket write) would otherwise run during the
-    pass and hold up one of llama.cpp's compute threads."""
-
-    def __init__(self):
-        self._total = 0
-        self._cond = threading.Condition()
-
-    def add(self, handle: "Handle") -> None:
-        with self._cond:
-            if not handle.reader_gone:
-                handle.unsent += 1
-                self._total += 1
-
-    def done(self, handle: "Handle") -> None:
-        with self._cond:
-            if handle.unsent:
-                handle.unsent -= 1
-                self._total -= 1
-            self._notify_if_drained()
-
-    def forget(self, handle: "Handle") -> None:
-        with self._cond:
-            handle.reader_gone = True
-            self._total -= handle.unsent
-            handle.unsent = 0
-            self._notify_if_drained()
-
-    def _notify_if_drained(self) -> None:
-        if not self._total:
-            self._cond.notify_all()
-
-    def wait_drained(self, timeout: float) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._total, timeout)
+            pass
 
 
 class SchedulerThread:
@@ -185,7 +130,6 @@ class Service:
         self._handles: dict[Sequence, Handle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._in_flight = InFlight()
         self._loop: Future | None = None  # the scheduler loop, running on the scheduler thread
         self._stopping = False
         self._drain_deadline: float | None = None  # set at shutdown: no new requests; open ones are cut then
@@ -266,8 +210,7 @@ class Service:
         with self._lock:  # registered before the scheduler can see the sequence
             seq = self.engine.submit(input_ids, max_new_tokens=max_tokens, sampling=sampling, stop=stop_condition,
                                      logprobs=logprobs)
-            handle = Handle(seq, TextStream(self.tokenizer, stop_condition, seq.result), asyncio.Queue(),
-                            asyncio.get_running_loop(), in_flight=self._in_flight)
+            handle = Handle(seq, TextStream(self.tokenizer, stop_condition, seq.result), asyncio.Queue(), asyncio.get_running_loop())
             self._handles[seq] = handle
         self.metrics.prompt_tokens.inc(input_ids.shape[1])
         self.metrics.queue_length.set(self.engine.waiting)
@@ -303,7 +246,6 @@ class Service:
             for seq in report.finished:
                 self._deliver(seq)
             self.metrics.record_step(report, len(self.engine.rows), self.engine.waiting)
-            self._in_flight.wait_drained(DRAIN_WAIT_S)
 
     def _deliver(self, seq: Sequence) -> None:
         with self._lock:
