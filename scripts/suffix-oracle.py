@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""How fast could suffix drafts decode these answers on this pass table? Replays the target's own greedy answers (a
+`specdecode bench` results.json with a `plain` method) teacher-forced through the suffix drafter, and prices each
+pass by width from a pass table (ms, `scripts/llama-pass-costs.py`'s "every position" column):
+
+  - plain:   one pass of width 1 a token;
+  - oracle:  each step's draft cut to the length that, knowing what will be accepted, decodes the answer in the
+             least time (dynamic programming over the answer's positions): the best any trim of these drafts can do;
+  - cut:     each draft cut to what it will accept (what a perfect stopping rule per step would give);
+  - whole:   every draft verified whole (llama.cpp's ngram-mod does so);
+  - ours:    the adaptive controller (AdaptiveK.trim) cutting each draft, learning as it goes (one controller
+             over the prompts in order, as one engine serves them).
+
+Variants of the drafter (its cap of the draft at the match length, its probability floor, the longest draft) say
+what the drafter leaves on the table; the gap between oracle and a measured run says what the controller does.
+
+    scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
+        --pass-ms 1:33.4,2:63.1,4:110.3,8:230,12:310.7,16:309.1,32:500,64:900
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from specdecode.control import AdaptiveK
+from specdecode.control.calibrate import WIDEST, too_wide, widths
+from specdecode.control.step import RowOutcome, StepOutcome
+from specdecode.drafters import suffix
+from specdecode.drafters.base import Draft
+from specdecode.encoding import encode_prompt
+from specdecode.models import load_tokenizer
+from specdecode.prompts import load_prompts
+
+
+def pass_table(spec: str, widest: int) -> np.ndarray:
+    """'w:ms,...' -> ms by width 0..widest, linear between the points given (flat past the last)."""
+    points = sorted((int(w), float(ms)) for w, ms in (p.split(":") for p in spec.split(",")))
+    widths, ms = zip(*points)
+    return np.interp(np.arange(widest + 1), widths, ms)
+
+
+def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float) -> tuple[list[list[int]], list[int]]:
+    """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
+    committed."""
+    suffix.MAX_SPEC_FACTOR = factor
+    drafter = suffix.SuffixDrafter(suffix.shared_cache(), alternatives=0, min_token_prob=floor)
+    ids = torch.tensor([prompt + answer])
+    drafter.begin(ids[:, : len(prompt)])
+    out, matches = [], []
+    for t in range(len(answer)):
+        draft = drafter.propose(ids[:, : len(prompt) + t], k, None, None)
+        out.append(draft.tokens[0].tolist())
+        matches.append(draft.match_len)
+    drafter.reset()
+    return out, matches
+
+
+def accepted(draft: list[int], rest: list[int]) -> int:
+    n = 0
+    while n < len(draft) and n < len(rest) and draft[n] == rest[n]:
+        n += 1
+    return n
+
+
+def oracle_ms(answer: list[int], drafts: list[list[int]], cost: np.ndarray) -> float:
+    """Least time to decode the answer when each step's draft may be cut anywhere (knowing the verdicts)."""
+    T = len(answer)
+    best = np.full(T + 1, np.inf)
+    best[T] = 0.0
+    for t in range(T - 1, -1, -1):
+        acc = accepted(drafts[t], answer[t:])
+        for length in range(len(drafts[t]) + 1):
+            step = min(length, acc) + 1
+            best[t] = min(best[t], cost[1 + length] + best[min(T, t + step)])
+    return float(best[0])
+
+
+def cut_ms(answer: list[int], drafts: list[list[int]], cost: np.ndarray, rule) -> float:
+    t, ms = 0, 0.0
+    while t < len(answer):
+        acc = accepted(drafts[t], answer[t:])
+        length = rule(drafts[t], acc)
+        ms += cost[1 + length]
+        t += min(length, acc) + 1
+    return ms
+
+
+def seeded_controller(cost: np.ndarray, widest: int) -> AdaptiveK:
+    """AdaptiveK seeded with the pass table as `calibrate` would time it."""
+    ctl = AdaptiveK()
+    passes: dict[int, float] = {}
+    for width in widths(widest):
+        if too_wide(passes, width):
+            break
+        passes[width] = cost[min(width, len(cost) - 1)] / 1e3
+        ctl.observe_pass(width, 1, passes[width])
+    ctl.rows_changed()
+    return ctl
+
+
+def controller_ms(answer: list[int], drafts: list[list[int]], matches: list[int], cost: np.ndarray, ctl: AdaptiveK,
+                  row: int) -> float:
+    """Our controller trimming each draft as the engine's `fit` does and learning from each step's outcome (one
+    controller for every prompt, as one engine serves them)."""
+    ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
+    t, ms = 0, 0.0
+    while t < len(answer):
+        draft = ctl.trim(Draft(torch.tensor([drafts[t][: ctl.lookup_length()] or [0]]), source="suffix", match_len=matches[t]))
+        length = draft.length if drafts[t] else 0
+        acc = accepted(drafts[t][:length], answer[t:])
+        ms += cost[1 + length]
+        committed = tuple(answer[t : t + acc + 1])
+        ctl.observe(StepOutcome((row,), 1 + length, cost[1 + length] / 1e3, [RowOutcome(
+            "suffix", None, length, acc, 0.0, matches[t], positions=1 + length, offered=tuple(drafts[t]), committed=committed)]))
+        t += acc + 1
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="a bench results.json holding the plain method's token ids")
+    parser.add_argument("--prompts", default="edits")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--pass-ms", required=True, help="width:ms,... (every-position pass costs)")
+    parser.add_argument("--variants", default="1:0.1:31,4:0.1:31,64:0.1:31,64:0.1:63,64:0.0:63",
+                        help="factor:floor:longest,... of the suffix drafter")
+    args = parser.parse_args()
+    rows = {r["prompt_id"]: r for r in json.load(open(args.results))["rows"] if r["method"] == "plain"}
+    tokenizer = load_tokenizer(args.target)
+    prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
+    variants = [(float(f), float(p), int(k)) for f, p, k in (v.split(":") for v in args.variants.split(","))]
+    cost = pass_table(args.pass_ms, max(k for *_, k in variants) + 1)
+    print(f"{'prompt':<18} {'tokens':>6} {'plain s':>8}" + "".join(f" {'x' + str(f) + ' p' + str(p) + ' k' + str(k):>23}" for f, p, k in variants))
+    totals = np.zeros((len(variants), 4))
+    plain_total = 0.0
+    controllers = [seeded_controller(cost, max(WIDEST, k + 1)) for *_, k in variants]
+    for row, prompt in enumerate(prompts):
+        ids = encode_prompt(tokenizer, prompt.text, chat=True)[0].tolist()
+        answer = json.loads(rows[prompt.id]["token_ids"]) if isinstance(rows[prompt.id]["token_ids"], str) else rows[prompt.id]["token_ids"]
+        plain = cost[1] * len(answer)
+        plain_total += plain
+        cells = []
+        for i, (factor, floor, k) in enumerate(variants):
+            drafts, matches = drafts_along(ids, answer, k, factor, floor)
+            oracle = oracle_ms(answer, drafts, cost)
+            cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
+            full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
+            ours = controller_ms(answer, drafts, matches, cost, controllers[i], row)
+            totals[i] += (oracle, cut, full, ours)
+            cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")
+        print(f"{prompt.id:<18} {len(answer):>6} {plain / 1e3:>8.2f}" + "".join(f" {c:>23}" for c in cells))
+    print(f"{'all (time)':<18} {'':>6} {plain_total / 1e3:>8.2f}" + "".join(
+        f" {plain_total / o:>6.2f} {plain_total / c:>5.2f} {plain_total / f:>5.2f} {plain_total / u:>5.2f}" for o, c, f, u in totals))
+    print("columns: decode speedup over plain: oracle cut / cut at what is accepted / whole drafts / our controller "
+          "(prompt reading not included)")
+
+
+if __name__ == "__main__":
+    main()
