@@ -15,7 +15,6 @@ import torch
 
 from specdecode.control import AdaptiveK
 from specdecode.control.calibrate import too_wide, widths
-from specdecode.control.step import RowOutcome, StepOutcome
 from specdecode.drafters.base import Draft
 
 DATA = Path(__file__).parent / "data"
@@ -164,25 +163,20 @@ def replay_request(machine: Machine, accept_by_position: list[float], *, prompt:
 def replay_lookups(machine: Machine, *, answer: int, match_len, accept: float, seed: int = 0) -> dict:
     """One request whose every step offers an 8-token lookup draft (a suffix match of `match_len(tokens so far)`
     tokens), each token right with probability `accept`, on a controller seeded as at load; the controller trims it
-    (AdaptiveK.fit) and learns from the step's outcome as in the engine (the whole draft judged against what the row
-    commits next); the clock charges the pass it chose."""
+    (AdaptiveK.trim) and the clock charges the pass it chose."""
     rng = random.Random(seed)
     ctl = AdaptiveK(max_k=8)
     seed_as_at_load(ctl, machine)
-    truth = [rng.randrange(1000) for _ in range(answer + 8)]  # the target's own tokens
-    ctl.observe(StepOutcome((0,), 1, None, []))  # the row joins
     clock, done, verified = 0.0, 0, 0
     while done < answer:
         match = match_len(done)
-        offered = [truth[done + i] if rng.random() < accept else 1000 + i for i in range(8)]
-        draft = ctl.trim(Draft(torch.tensor([offered]), source="suffix", match_len=match))
+        draft = ctl.trim(Draft(torch.arange(8)[None], source="suffix", match_len=match))
         accepted = 0
-        while accepted < draft.length and offered[accepted] == truth[done + accepted]:
+        while accepted < draft.length and rng.random() < accept:
             accepted += 1
         seconds = machine.verify_s(1 + draft.length)
-        ctl.observe(StepOutcome((0,), 1 + draft.length, seconds, [RowOutcome(
-            "suffix", None, draft.length, accepted, 0.0, match, positions=1 + draft.length, offered=tuple(offered),
-            committed=tuple(truth[done : done + accepted + 1]))]))
+        ctl.observe_pass(1 + draft.length, 1, seconds)
+        ctl.observe_row("suffix", None, draft.length, accepted, 0.0, match_len=match)
         clock += seconds
         done += accepted + 1
         verified += draft.length

@@ -4,12 +4,8 @@ it must never make decoding slower than plain by more than 5 %, and must still s
 import statistics
 
 import pytest
-import torch
 
 import specdecode.control as control
-from specdecode.control.measurements import LookupShadows
-from specdecode.control.step import RowOutcome, StepOutcome
-from specdecode.drafters.base import Draft
 from replay import DRAFTING_PAYS, machines, replay, replay_lookups, replay_request, seed_as_at_load, traces
 
 MACHINES = machines()
@@ -122,47 +118,3 @@ def test_long_copies_are_still_verified(machine):
     where a width-8 pass costs 6 plain ones (AVX2, emulated bf16: 1.15x)."""
     run = replay_lookups(machine, answer=192, match_len=lambda done: 20 + done, accept=0.95)
     assert run["verified"] > 0 and run["speedup"] > 1.1, run
-
-
-# --- lookup drafts judged whole (LookupShadows) -------------------------------------------------------------------
-
-def test_shadows_judge_each_position_as_its_token_is_committed():
-    shadows = LookupShadows()
-    assert shadows.observe(7, (5, 6, 7, 8), "suffix", 4, (5,)) == [("suffix", 4, 0, True)]
-    # the next step offers a draft of its own; both are judged against what this step commits
-    judged = shadows.observe(7, (6, 9), "suffix", 2, (6, 9, 4))
-    assert judged == [("suffix", 4, 1, True), ("suffix", 4, 2, False), ("suffix", 2, 0, True), ("suffix", 2, 1, True)]
-    assert shadows.observe(7, (), "suffix", 0, (1,)) == []  # nothing left pending
-    shadows.observe(8, (1, 2, 3), "suffix", 3, (1,))
-    shadows.keep_rows((7,))  # row 8 left before its draft was judged: dropped, not judged as rejected
-    assert shadows.observe(8, (), "suffix", 0, (9,)) == []
-
-
-@pytest.mark.parametrize("shadowed", [True, False], ids=["judged whole", "verified part only"])
-def test_a_lookup_class_cut_to_nothing_learns_when_its_drafts_turn_right(shadowed):
-    """An answer whose first 150 tokens are new text (drafts from 4-7 token matches all wrong: trim stops verifying
-    them and its probes back off), then copies its input (the same class's drafts all right). Judged whole against
-    the committed tokens, the drafts are verified again within a few tokens of the turn; learning only from what was
-    verified (the control), the controller waits for its next probe, far later (AVX-512 EPYC curve)."""
-    (epyc,) = [m for m in MACHINES if m.name.startswith("avx512_epyc_llama/llama.cpp-q4_k_m")]
-    ctl = control.AdaptiveK(max_k=8)
-    seed_as_at_load(ctl, epyc)
-    answer, turn = list(range(100, 500)), 150
-    ctl.observe(StepOutcome((0,), 1, None, []))
-    done, verified_after_turn = 0, None
-    while done < 350:
-        offered = tuple(t if done >= turn else -t for t in answer[done : done + 6])
-        draft = ctl.trim(Draft(torch.tensor([offered]), source="suffix", match_len=5))
-        accepted = draft.length if done >= turn else 0
-        if done >= turn and draft.length > 1 and verified_after_turn is None:
-            verified_after_turn = done - turn
-        committed = tuple(answer[done : done + accepted + 1])
-        ctl.observe(StepOutcome((0,), 1 + draft.length, epyc.verify_s(1 + draft.length), [RowOutcome(
-            "suffix", None, draft.length, accepted, 0.0, 5, positions=1 + draft.length,
-            offered=offered if shadowed else (), committed=committed)]))
-        done += len(committed)
-    assert verified_after_turn is not None
-    if shadowed:
-        assert verified_after_turn < 40, verified_after_turn  # 17 when written
-    else:
-        assert verified_after_turn > 80, verified_after_turn  # 130 when written

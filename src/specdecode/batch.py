@@ -259,12 +259,11 @@ class BatchEngine:
             report.cap, report.lookup_only = plan.cap, plan.lookup_only
             drafts, timings = self._draft(plan, report)
             if self.rows:
-                offered = [tuple(d.tokens[0].tolist()) if d.confidence is None else () for d in drafts]
                 self.controller.fit(self.rows, plan, drafts)
                 layouts = [TreeLayout(seq.ids[:, -1:], d.tokens, d.alternatives if trees else None)
                            for seq, d in zip(self.rows, drafts)]
                 accepted, outcomes, reads = self._verify(layouts, drafts, report, reads)
-                self.controller.observe(self._outcome(layouts, drafts, offered, accepted, timings, report))
+                self.controller.observe(self._outcome(layouts, drafts, accepted, timings, report))
                 self._emit(drafts, accepted, report)
             self.chunks.observe_rows(time.perf_counter() - start - report.admit_s, report.read_in_pass)
         if reads:  # the rows that read beside the pass join after it (or, with no pass, read now)
@@ -368,12 +367,11 @@ class BatchEngine:
             accepted[i] = self.rows[i].judge(drafts[i], *layout.split_logits(logits[i : i + 1, : layout.width].cpu()))
         return accepted
 
-    def _outcome(self, layouts: list[TreeLayout], drafts: list[Draft], offered: list[tuple[int, ...]],
-                 accepted: list[int], timings: list[tuple[float, list]], report: StepReport) -> StepOutcome:
+    def _outcome(self, layouts: list[TreeLayout], drafts: list[Draft], accepted: list[int],
+                 timings: list[tuple[float, list]], report: StepReport) -> StepOutcome:
         rows = [RowOutcome(d.source, d.confidence, d.length, n, seconds - d.reading_s, d.match_len,
-                           (seq.leaf is not None) if layout.leaves else None, layout.width, readings, whole, tuple(seq.new))
-                for seq, layout, d, whole, n, (seconds, readings)
-                in zip(self.rows, layouts, drafts, offered, accepted, timings)]
+                           (seq.leaf is not None) if layout.leaves else None, layout.width, readings)
+                for seq, layout, d, n, (seconds, readings) in zip(self.rows, layouts, drafts, accepted, timings)]
         # a pass that also read a prompt chunk says nothing of what a pass of these rows costs
         verify_s = None if report.read_in_pass else report.verify_s
         return StepOutcome(tuple(seq.serial for seq in self.rows), report.width, verify_s, rows)

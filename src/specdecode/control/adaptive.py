@@ -197,15 +197,11 @@ class AdaptiveK:
         if outcome.row_ids != self._rows_seen:  # a row joined or left
             self.rows_changed()
             self._rows_seen = outcome.row_ids
-            self.measured.shadows.keep_rows(outcome.row_ids)
         if outcome.verify_s is not None:
             self.observe_pass(outcome.positions, len(outcome.row_ids), outcome.verify_s)
-        for row_id, row in zip(outcome.row_ids, outcome.rows):
+        for row in outcome.rows:
             self.observe_row(row.source, row.confidence, row.drafted, row.accepted, row.draft_s, row.leaf_used,
-                             row.positions, row.match_len, shadowed=bool(row.offered))
-            for source, match_len, position, accepted in self.measured.shadows.observe(
-                    row_id, row.offered, row.source, row.match_len, row.committed):
-                self.measured.observe_lookup_position(source, match_len, position, accepted)
+                             row.positions, row.match_len)
 
     # --- one row's decision ------------------------------------------------------------------------
 
@@ -341,12 +337,11 @@ class AdaptiveK:
 
     def observe_row(
         self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
-        leaf_used: bool | None = None, positions: int | None = None, match_len: int = 0, shadowed: bool = False,
+        leaf_used: bool | None = None, positions: int | None = None, match_len: int = 0,
     ) -> None:
         """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
         a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
-        more than drafted + 1 with leaves; match_len: a lookup draft's match; shadowed: the lookup draft is judged
-        whole by LookupShadows, which learns its acceptance instead)."""
+        more than drafted + 1 with leaves; match_len: a lookup draft's match)."""
         before = self.measured.costs.draft_token_s.get(source)
         if drafted and before is not None and before.value and draft_s / drafted < priors.REGIME_CHANGE * before.value:
             self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
@@ -363,5 +358,4 @@ class AdaptiveK:
         else:
             if accepted:
                 self.lookup_probe_interval = self.probe_every
-            if not shadowed:
-                self.measured.observe_lookup(source, match_len, drafted, accepted)
+            self.measured.observe_lookup(source, match_len, drafted, accepted)

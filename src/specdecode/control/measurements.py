@@ -4,8 +4,6 @@ how often tree leaves hold the correction. Only `AdaptiveK.observe` writes it.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from . import priors
 from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
 
@@ -25,58 +23,6 @@ def filled(accept: list[Ema]) -> list[float]:
     return values
 
 
-def _judged(position: Ema, assumed: float, accepted: bool) -> None:
-    if position.value is None:  # first judged: from what it was assumed to be
-        position.value = assumed
-    position.update(1.0 if accepted else 0.0)
-
-
-@dataclass
-class _Shadow:
-    source: str
-    match_len: int
-    tokens: tuple[int, ...]
-    matched: int = 0  # its first tokens the row has committed so far
-
-
-class LookupShadows:
-    """Every lookup draft judged whole against the tokens its row goes on to commit, whether the pass verified all of
-    it, a part or none: what a draft cut short (or to nothing) would have accepted is learned at no cost, where
-    learning only from verified drafts left a match class priced at its prior once trim stopped verifying it. The
-    committed tokens are the target's own (its argmax, or its draw: a lookup token is accepted with probability
-    p(x), the chance a draw equals it), so each verdict is the one verifying the whole draft would have given."""
-
-    def __init__(self):
-        self._rows: dict[int, list[_Shadow]] = {}
-
-    def observe(self, row: int, offered: tuple[int, ...], source: str, match_len: int,
-                committed: tuple[int, ...]) -> list[tuple[str, int, int, bool]]:
-        """Row `row` was offered `offered` (a lookup draft, or nothing) at this step and committed `committed`. Returns
-        (source, match_len, position, accepted) of each draft position judged now: a position is learned as soon as
-        its token is committed, not when its whole draft is (waiting for that left the trim on stale numbers)."""
-        pending = self._rows.setdefault(row, [])
-        if offered:
-            pending.append(_Shadow(source, match_len, offered))
-        judged, left = [], []
-        for shadow in pending:
-            for token in committed:
-                accepted = token == shadow.tokens[shadow.matched]
-                judged.append((shadow.source, shadow.match_len, shadow.matched, accepted))
-                if not accepted:
-                    break
-                shadow.matched += 1
-                if shadow.matched == len(shadow.tokens):
-                    break
-            else:
-                left.append(shadow)
-        self._rows[row] = left
-        return judged
-
-    def keep_rows(self, rows: tuple[int, ...]) -> None:
-        """Rows that left: their unjudged drafts go (an answer that ended says nothing of them)."""
-        self._rows = {row: pending for row, pending in self._rows.items() if row in rows}
-
-
 class Measurements:
     def __init__(self):
         self.costs = CostModel()
@@ -88,7 +34,6 @@ class Measurements:
         # At a rejection one of the tree leaves is the target's correction this often (one more token)
         self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
         self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
-        self.shadows = LookupShadows()
 
     def leaf_hit_rate(self, leaves: bool) -> float:
         return self.leaf_hit.value if leaves else 0.0
@@ -119,10 +64,6 @@ class Measurements:
         accept = self.accept_by_position(source, match_len)
         before = filled(accept)
         for j in range(min(drafted, accepted + 1, len(accept))):
-            _judged(accept[j], before[j], j < accepted)
-
-    def observe_lookup_position(self, source: str, match_len: int, position: int, accepted: bool) -> None:
-        """Position `position` of a lookup draft was judged (the ones before it accepted)."""
-        accept = self.accept_by_position(source, match_len)
-        if position < len(accept):
-            _judged(accept[position], filled(accept)[position], accepted)
+            if accept[j].value is None:  # first judged: from what it was assumed to be
+                accept[j].value = before[j]
+            accept[j].update(1.0 if j < accepted else 0.0)

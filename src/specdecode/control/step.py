@@ -48,8 +48,6 @@ class RowOutcome:
     leaf_used: bool | None = None  # a tree leaf held the correction (None: the draft had no leaves)
     positions: int = 1  # what the row's pass scored (more than drafted + 1 with leaves)
     readings: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) the drafter read committed text
-    offered: tuple[int, ...] = ()  # a lookup draft as proposed, before `fit` cut it (judged whole: LookupShadows)
-    committed: tuple[int, ...] = ()  # the tokens the row committed this step
 
 
 @dataclass
