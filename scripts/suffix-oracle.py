@@ -113,9 +113,8 @@ def controller_ms(answer: list[int], drafts: list[list[int]], matches: list[int]
         length = draft.length if drafts[t] else 0
         acc = accepted(drafts[t][:length], answer[t:])
         ms += cost[1 + length]
-        committed = tuple(answer[t : t + acc + 1])
         ctl.observe(StepOutcome((row,), 1 + length, cost[1 + length] / 1e3, [RowOutcome(
-            "suffix", None, length, acc, 0.0, matches[t], positions=1 + length, offered=tuple(drafts[t]), committed=committed)]))
+            "suffix", None, length, acc, 0.0, matches[t], positions=1 + length)]))
         t += acc + 1
     return ms
 
@@ -136,6 +135,7 @@ def main() -> None:
     cost = pass_table(args.pass_ms, max(k for *_, k in variants) + 1)
     print(f"{'prompt':<18} {'tokens':>6} {'plain s':>8}" + "".join(f" {'x' + str(f) + ' p' + str(p) + ' k' + str(k):>23}" for f, p, k in variants))
     totals = np.zeros((len(variants), 4))
+    worst = [np.inf] * len(variants)
     plain_total = 0.0
     controllers = [seeded_controller(cost, max(WIDEST, k + 1)) for *_, k in variants]
     for row, prompt in enumerate(prompts):
@@ -151,8 +151,10 @@ def main() -> None:
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
             ours = controller_ms(answer, drafts, matches, cost, controllers[i], row)
             totals[i] += (oracle, cut, full, ours)
+            worst[i] = min(worst[i], plain / ours)
             cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")
         print(f"{prompt.id:<18} {len(answer):>6} {plain / 1e3:>8.2f}" + "".join(f" {c:>23}" for c in cells))
+    print(f"{'worst prompt':<18} {'':>6} {'':>8}" + "".join(f" {'':>20} {w:>5.2f}" for w in worst))
     print(f"{'all (time)':<18} {'':>6} {plain_total / 1e3:>8.2f}" + "".join(
         f" {plain_total / o:>6.2f} {plain_total / c:>5.2f} {plain_total / f:>5.2f} {plain_total / u:>5.2f}" for o, c, f, u in totals))
     print("columns: decode speedup over plain: oracle cut / cut at what is accepted / whole drafts / our controller "
