@@ -14,8 +14,8 @@ pass by width from a pass table (ms, `scripts/llama-pass-costs.py`'s "every posi
 Variants of the drafter (its cap of the draft at the match length, its probability floor, the longest draft) say
 what the drafter leaves on the table; the gap between oracle and a measured run says what the controller does.
 
-    scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
-        --pass-ms 1:33.4,2:63.1,4:110.3,8:230,12:310.7,16:309.1,32:500,64:900
+    .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
+        --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:31,4:0.1:31
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
 def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float) -> tuple[list[list[int]], list[int]]:
     """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
     committed."""
-    suffix.MAX_SPEC_FACTOR = factor
+    suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
     drafter = suffix.SuffixDrafter(suffix.shared_cache(), alternatives=0, min_token_prob=floor)
     ids = torch.tensor([prompt + answer])
     drafter.begin(ids[:, : len(prompt)])
