@@ -48,23 +48,41 @@ class Completion:
 
 class TextStream:
     """Token ids -> text pieces as a generation grows. Never shows text it would later take back: an
-    incomplete UTF-8 character, or the start of what may turn into a stop string, is held until settled."""
+    incomplete UTF-8 character, or the start of what may turn into a stop string, is held until settled.
+
+    Decodes incrementally (as vLLM and TGI do): each call decodes only the tokens since the last settled point, with
+    the tokens before it as context, so a step costs the same at token 10 and token 10,000."""
 
     def __init__(self, tokenizer, stop: StopCondition, result: GenerationResult):
         self._tokenizer, self._stop, self._result = tokenizer, stop, result
-        self._emitted = 0
+        self._emitted = 0  # characters of the settled text already shown
         self._hold = max((len(s) for s in stop.stop_strings), default=1) - 1
+        self._settled = ""  # the decoded text of token_ids[:self._read_at]
+        self._context_at = self._read_at = 0  # token_ids[context_at:read_at] decode to the end of `_settled`
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _settle(self) -> None:
+        """Append the text of the new tokens, unless it ends inside a character (then wait for more, or the end)."""
+        ids = self._result.token_ids
+        if len(ids) <= self._read_at:
+            return
+        context = self._decode(ids[self._context_at : self._read_at])
+        grown = self._decode(ids[self._context_at :])
+        if len(grown) > len(context) and (not grown.endswith("\ufffd") or self._result.finish_reason is not None):
+            self._settled += grown[len(context) :]
+            self._context_at, self._read_at = self._read_at, len(ids)
 
     def text(self) -> str:
-        return self._stop.trim_text(self._tokenizer.decode(self._result.token_ids, skip_special_tokens=True))
+        self._settle()
+        return self._stop.trim_text(self._settled)
 
     def piece(self) -> str:
         """The text that became safe to show since the last call ('' if none); all of it once finished."""
         text = self.text()
-        if self._result.finish_reason is None:
-            text = text[: len(text) - self._hold] if self._hold else text
-            if text.endswith("\ufffd"):
-                return ""
+        if self._result.finish_reason is None and self._hold:
+            text = text[: len(text) - self._hold]
         if len(text) <= self._emitted:
             return ""
         piece, self._emitted = text[self._emitted :], len(text)
