@@ -7,7 +7,7 @@ import specdecode.sampling as sampling_module
 from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
 from specdecode.batch import BatchEngine
 from specdecode.sampling import logits_to_probs
-from specdecode.verify import speculative_accept
+from specdecode.verify import argmax, speculative_accept
 from stats_check import fit
 from tiny import random_prompt, tiny_model
 
@@ -15,6 +15,19 @@ ALPHA = 1e-3  # a correct sampler fails one check in a thousand; a biased one fa
 
 
 # ----------------------------------------------------------------------------- processing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_first_of_ties_on_any_layout(dtype):
+    """Greedy identity rests on plain and speculative steps picking the same token: ties, NaN, -inf and views."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (3, 5, 257), generator=g).to(dtype)  # many ties
+    logits[0, 1, 7] = float("nan")
+    logits[1, 2] = float("-inf")
+    for x in (logits, logits[:, 1:4], logits.transpose(0, 1), logits[1, 0], logits[:, :, ::2]):
+        got = argmax(x)
+        assert got.dtype == torch.long and got.shape == x.shape[:-1]
+        assert torch.equal(got, x.argmax(-1))
 
 
 def test_top_k_keeps_exactly_k_tokens():

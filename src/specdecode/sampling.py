@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .verify import keyed_accept, sample_tokens, speculative_accept
+from .verify import argmax, keyed_accept, sample_tokens, speculative_accept
 
 # As vLLM's sampling epsilon: logits of ~1e2 over 1e-5 stay far inside fp32's range.
 GREEDY_BELOW = 1e-5
@@ -59,7 +59,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -140,7 +140,7 @@ class KeyedDraws:
 
     def sample(self, probs: torch.Tensor, position: int) -> torch.Tensor:
         """[B, V] probabilities -> [B] token ids (each row at the same position)."""
-        return (probs.log() + self.noise(position, probs.shape[-1])).argmax(-1)
+        return argmax(probs.log() + self.noise(position, probs.shape[-1]))
 
     def accept(self, draft_tokens, draft_probs, target_probs, start: int):
         """target_probs [1, n+1, V] at positions start.. : the target's own keyed tokens there, and the draft's

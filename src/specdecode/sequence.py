@@ -17,7 +17,7 @@ from .drafters.base import Draft, Drafter
 from .sampling import SamplingParams, logits_to_probs
 from .stats import GenerationStats
 from .stopping import StopCondition
-from .verify import greedy_accept
+from .verify import argmax, greedy_accept
 
 
 @dataclass
@@ -167,7 +167,7 @@ class Sequence:
     def _choose(self, logits: torch.Tensor, position: int) -> torch.Tensor:
         """The target's own token at `position` from its logits [1, V]: the argmax, or the request's draw."""
         if self.sampling.greedy:
-            return logits.argmax(-1)
+            return argmax(logits)
         return self.draws.sample(logits_to_probs(logits, self.sampling), position)
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:

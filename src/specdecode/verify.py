@@ -8,7 +8,17 @@ positions past a row's length count as rejected.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1), the first of ties as torch's. CPU fp32 goes through numpy: torch's CPU argmax does not vectorise
+    (a Qwen row of 151,936 logits: ~130 us against numpy's ~10 on an AMD EPYC AVX-512), and greedy decoding pays it
+    at every position of every pass. A tensor subclass keeps torch's dispatch."""
+    if type(x) is torch.Tensor and x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(x.detach().numpy().argmax(-1), dtype=np.int64))
+    return x.argmax(-1)
 
 
 def _valid_mask(draft_tokens: torch.Tensor, draft_lens: torch.Tensor | None) -> torch.Tensor:
@@ -30,7 +40,7 @@ def greedy_accept(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept while the draft equals the target's argmax; the output is the target's greedy output."""
     k = draft_tokens.shape[1]
-    target_tokens = target_logits.argmax(-1)  # [B, k+1]
+    target_tokens = argmax(target_logits)  # [B, k+1]
     accept = (draft_tokens == target_tokens[:, :k]) & _valid_mask(draft_tokens, draft_lens)
     accepted_len = _prefix_len(accept)
     next_token = target_tokens.gather(1, accepted_len[:, None]).squeeze(1)

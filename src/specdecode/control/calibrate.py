@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..sampling import SamplingParams
+from ..verify import argmax
 from .adaptive import AdaptiveK
 
 # Lookups verify long drafts where wide passes are cheap, and a batch's pass scores rows x positions: passes are
@@ -48,7 +49,7 @@ def calibrate(controller: AdaptiveK, backend, drafter=None, widest: int = WIDEST
                 if (round_ and width > TIMED_TWICE) or too_wide(passes, width):
                     break
                 t0 = time.perf_counter()
-                backend.forward(prompt[:, :width], [width]).argmax(-1).tolist()  # as greedy judging reads a pass
+                argmax(backend.forward(prompt[:, :width], [width])).tolist()  # as greedy judging reads a pass
                 seconds = time.perf_counter() - t0
                 backend.keep([[0]])
                 controller.observe_pass(width, 1, seconds)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
+from ..verify import argmax
 
 
 @dataclass
@@ -50,7 +51,7 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, draws, position: int) -
     (q = softmax, for its confidence) when greedy, else a sample from the processed q (which must go with the draft:
     lossless rule) by the request's draws (sampling.StreamDraws / KeyedDraws)."""
     if sampling.greedy:
-        return logits.argmax(-1), torch.softmax(logits, -1)
+        return argmax(logits), torch.softmax(logits, -1)
     q = logits_to_probs(logits, sampling)
     return draws.sample(q, position), q
 
