@@ -9,11 +9,11 @@ from ..backends import BackendError
 from ..models import DEFAULT_TARGET, ModelError
 from .commands import cmd_check, cmd_generate, cmd_models, cmd_serve
 from .common import (
-    _add_model_args, _add_prompt_args, _add_sampling_args, add_backend_arg, at_least, port_number, seconds, torch_threads,
+    _add_model_args, _add_prompt_args, _add_sampling_args, add_backend_arg, at_least, port_number, seconds,
 )
 from .measure import cmd_bench, cmd_tune
 
-__all__ = ["build_parser", "main", "torch_threads"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser(config: dict | None = None) -> argparse.ArgumentParser:

@@ -130,9 +130,3 @@ def _load_prompts(args):
     from ..prompts import load_prompts
 
     return load_prompts(args.prompts, tasks=args.tasks.split(",") if args.tasks else None, per_task=args.per_task, limit=args.limit)
-
-
-def torch_threads(n: int) -> None:
-    import torch
-
-    torch.set_num_threads(n)
