@@ -53,10 +53,10 @@ def full_sort_nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return drop_sorted.scatter(-1, order, drop_sorted)
 
 
-@pytest.mark.parametrize("sharpness", [0.1, 1.0, 5.0, 30.0])  # flat rows need the full sort, peaked ones do not
+@pytest.mark.parametrize("sharpness", [0.1, 1.0, 2.0, 5.0, 30.0])  # flat rows need the full sort, peaked ones do not
 @pytest.mark.parametrize("top_p", [1e-9, 0.3, 0.9, 0.999])
 def test_nucleus_from_ranked_candidates_equals_a_full_sort(monkeypatch, sharpness, top_p):
-    monkeypatch.setattr(sampling_module, "NUCLEUS_CANDIDATES", 16)
+    monkeypatch.setattr(sampling_module, "NUCLEUS_CANDIDATES", (4, 16))
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(int(sharpness * 10))) * sharpness
     expected = full_sort_nucleus_mask(logits, top_p)
     assert torch.equal(sampling_module.outside_nucleus(logits, top_p), expected)

@@ -69,18 +69,26 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
-NUCLEUS_CANDIDATES = 1024  # tokens ranked before a full sort is needed (a sort of 151,936 logits costs ~10 ms a row)
+# Tokens ranked before a wider ranking, then a full sort, is needed. Over Qwen's 151,936 tokens on one torch thread
+# (AMD EPYC AVX-512): top 64 0.26 ms, top 1,024 0.7 ms, a full sort ~10 ms a row; a peaked row's nucleus lies in the 64.
+NUCLEUS_CANDIDATES = (64, 1024)
 
 
 def outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """[..., V] mask of the tokens top-p drops: a token goes when the more likely tokens before it already reach
-    top_p; the first one always stays. Ranked among the top NUCLEUS_CANDIDATES when those reach top_p in every row
-    (the nucleus then lies among them: the same mask as a full sort), by a full sort otherwise."""
+    top_p; the first one always stays. Ranked among the fewest NUCLEUS_CANDIDATES that reach top_p in every row (the
+    nucleus then lies among them: the same mask as a full sort), by a full sort when none do."""
     probs = logits.softmax(-1)
-    candidates = min(NUCLEUS_CANDIDATES, logits.shape[-1])
-    ranked, order = torch.topk(probs, candidates, dim=-1)
-    cum_before = ranked.cumsum(-1) - ranked
-    if candidates < logits.shape[-1] and not bool((cum_before[..., -1] + ranked[..., -1] >= top_p).all()):
+    order = None
+    for candidates in NUCLEUS_CANDIDATES:
+        if candidates >= probs.shape[-1]:
+            break
+        ranked, order = torch.topk(probs, candidates, dim=-1)
+        cum_before = ranked.cumsum(-1) - ranked
+        if bool((cum_before[..., -1] + ranked[..., -1] >= top_p).all()):
+            break
+        order = None
+    if order is None:
         ranked, order = torch.sort(probs, dim=-1, descending=True)
         cum_before = ranked.cumsum(-1) - ranked
     keep_ranked = cum_before < top_p
