@@ -11,13 +11,12 @@ from specdecode.sequence import GenerationResult
 from specdecode.stopping import StopCondition
 from tiny import VOCAB, tiny_tokenizer
 
-pytestmark = pytest.mark.models  # SmolLM2's byte-level BPE: characters split across tokens
-
 STOPS = ("", "\n\n", "é中", "END")
 
 
 @pytest.fixture(scope="module")
 def byte_tokenizer():
+    """SmolLM2's byte-level BPE (the built-in model's files): characters split across tokens."""
     return load_tokenizer("smollm2-135m")
 
 
@@ -43,6 +42,7 @@ def stream_in_chunks(tokenizer, ids, chunks, stop_strings):
 texts = st.text(alphabet=st.sampled_from(list("ab \n.éü中文😀ENDx")), max_size=60)
 
 
+@pytest.mark.models
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=texts, noise=st.lists(st.integers(0, 49151), max_size=6), chunks=st.lists(st.integers(1, 9), max_size=30),
        stop=st.sampled_from(STOPS))
@@ -72,6 +72,7 @@ def test_words_joined_by_the_decoder_keep_their_spaces(ids, chunks, stop):
         tokenizer.decode(ids, skip_special_tokens=True))
 
 
+@pytest.mark.models
 def test_a_split_character_is_held_until_complete(byte_tokenizer):
     ids = byte_tokenizer.encode("x😀", add_special_tokens=False)
     assert len(ids) >= 3  # the emoji's bytes span tokens in this vocabulary
@@ -79,6 +80,7 @@ def test_a_split_character_is_held_until_complete(byte_tokenizer):
     assert pieces[0] == "x" and not any("\ufffd" in p for p in pieces) and "".join(pieces) == "x😀"
 
 
+@pytest.mark.models
 def test_each_step_decodes_only_the_new_tokens(byte_tokenizer):
     """A full re-decode at every step costs O(n) a token, O(n^2) an answer: 1,000 tokens stream for O(n) ids decoded."""
     ids = byte_tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 120, add_special_tokens=False)[:1000]
