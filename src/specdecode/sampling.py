@@ -74,23 +74,25 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 NUCLEUS_CANDIDATES = (64, 1024)
 
 
-def outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[..., V] mask of the tokens top-p drops: a token goes when the more likely tokens before it already reach
-    top_p; the first one always stays. Ranked among the fewest NUCLEUS_CANDIDATES that reach top_p in every row (the
-    nucleus then lies among them: the same mask as a full sort), by a full sort when none do."""
-    probs = logits.softmax(-1)
-    order = None
+def _ranked(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids by rank, the probability mass ranked before each) over the fewest NUCLEUS_CANDIDATES that reach
+    top_p in every row (the nucleus then lies among them), over the whole sorted vocabulary when none do."""
     for candidates in NUCLEUS_CANDIDATES:
         if candidates >= probs.shape[-1]:
             break
         ranked, order = torch.topk(probs, candidates, dim=-1)
         cum_before = ranked.cumsum(-1) - ranked
         if bool((cum_before[..., -1] + ranked[..., -1] >= top_p).all()):
-            break
-        order = None
-    if order is None:
-        ranked, order = torch.sort(probs, dim=-1, descending=True)
-        cum_before = ranked.cumsum(-1) - ranked
+            return order, cum_before
+    ranked, order = torch.sort(probs, dim=-1, descending=True)
+    return order, ranked.cumsum(-1) - ranked
+
+
+def outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] mask of the tokens top-p drops: a token goes when the more likely tokens before it already reach
+    top_p; the first one always stays. The same mask as a full sort's, from the fewest candidates that hold it."""
+    probs = logits.softmax(-1)
+    order, cum_before = _ranked(probs, top_p)
     keep_ranked = cum_before < top_p
     keep_ranked[..., 0] = True  # even when top_p rounds to 0 in fp32 (5e-324 did)
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_ranked)
