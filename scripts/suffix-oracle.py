@@ -13,6 +13,8 @@ pass by width from a pass table (ms, `scripts/llama-pass-costs.py`'s "every posi
 
 Variants of the drafter (its cap of the draft at the match length, its probability floor, the longest draft) say
 what the drafter leaves on the table; the gap between oracle and a measured run says what the controller does.
+`--cross-request` keeps one suffix cache over the prompts in order, as a server does (agent traffic: each request
+drafts from the earlier answers too); `--depth` sets the trees' depth (a match of m tokens continues at most depth - m).
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
         --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:31,4:0.1:31
@@ -43,11 +45,12 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
     return np.interp(np.arange(widest + 1), widths, ms)
 
 
-def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float) -> tuple[list[list[int]], list[int]]:
+def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float,
+                 cache=None) -> tuple[list[list[int]], list[int]]:
     """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
-    committed."""
+    committed; `cache`: a suffix cache holding earlier answers (a server's, kept across requests), else a fresh one."""
     suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
-    drafter = suffix.SuffixDrafter(suffix.shared_cache(), alternatives=0, min_token_prob=floor)
+    drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=0, min_token_prob=floor)
     ids = torch.tensor([prompt + answer])
     drafter.begin(ids[:, : len(prompt)])
     out, matches = [], []
@@ -127,7 +130,11 @@ def main() -> None:
     parser.add_argument("--pass-ms", required=True, help="width:ms,... (every-position pass costs)")
     parser.add_argument("--variants", default="1:0.1:31,4:0.1:31,64:0.1:31,64:0.1:63,64:0.0:63",
                         help="factor:floor:longest,... of the suffix drafter")
+    parser.add_argument("--cross-request", action="store_true",
+                        help="one suffix cache over the prompts in order, as a server keeps (agent traffic)")
+    parser.add_argument("--depth", type=int, default=suffix.MAX_TREE_DEPTH, help="the suffix trees' depth")
     args = parser.parse_args()
+    suffix.MAX_TREE_DEPTH = args.depth
     rows = {r["prompt_id"]: r for r in json.load(open(args.results))["rows"] if r["method"] == "plain"}
     tokenizer = load_tokenizer(args.target)
     prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
@@ -138,6 +145,7 @@ def main() -> None:
     worst = [np.inf] * len(variants)
     plain_total = 0.0
     controllers = [seeded_controller(cost, max(WIDEST, k + 1)) for *_, k in variants]
+    caches = [suffix.shared_cache() if args.cross_request else None for _ in variants]
     for row, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt.text, chat=True)[0].tolist()
         answer = json.loads(rows[prompt.id]["token_ids"]) if isinstance(rows[prompt.id]["token_ids"], str) else rows[prompt.id]["token_ids"]
@@ -145,7 +153,7 @@ def main() -> None:
         plain_total += plain
         cells = []
         for i, (factor, floor, k) in enumerate(variants):
-            drafts, matches = drafts_along(ids, answer, k, factor, floor)
+            drafts, matches = drafts_along(ids, answer, k, factor, floor, caches[i])
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
