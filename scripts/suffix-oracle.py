@@ -46,17 +46,18 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
 
 
 def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float,
-                 cache=None) -> tuple[list[list[int]], list[int]]:
+                 cache=None, max_new_tokens: int | None = None) -> tuple[list[list[int]], list[int]]:
     """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
-    committed; `cache`: a suffix cache holding earlier answers (a server's, kept across requests), else a fresh one."""
+    committed, none past max_new_tokens (as the engine's draft budget); `cache`: a suffix cache holding earlier answers (a server's, kept across requests), else a fresh one."""
     suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
     drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=0, min_token_prob=floor)
     ids = torch.tensor([prompt + answer])
     drafter.begin(ids[:, : len(prompt)])
+    budget = max_new_tokens or 1 << 30
     out, matches = [], []
     for t in range(len(answer)):
         draft = drafter.propose(ids[:, : len(prompt) + t], k, None, None)
-        out.append(draft.tokens[0].tolist())
+        out.append(draft.tokens[0].tolist()[: budget - t - 1])
         matches.append(draft.match_len)
     drafter.reset()
     return out, matches
@@ -135,7 +136,9 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=suffix.MAX_TREE_DEPTH, help="the suffix trees' depth")
     args = parser.parse_args()
     suffix.MAX_TREE_DEPTH = args.depth
-    rows = {r["prompt_id"]: r for r in json.load(open(args.results))["rows"] if r["method"] == "plain"}
+    results = json.load(open(args.results))
+    rows = {r["prompt_id"]: r for r in results["rows"] if r["method"] == "plain"}
+    max_new_tokens = results.get("config", {}).get("max_new_tokens")
     tokenizer = load_tokenizer(args.target)
     prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
     variants = [(float(f), float(p), int(k)) for f, p, k in (v.split(":") for v in args.variants.split(","))]
@@ -153,7 +156,7 @@ def main() -> None:
         plain_total += plain
         cells = []
         for i, (factor, floor, k) in enumerate(variants):
-            drafts, matches = drafts_along(ids, answer, k, factor, floor, caches[i])
+            drafts, matches = drafts_along(ids, answer, k, factor, floor, caches[i], max_new_tokens)
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))

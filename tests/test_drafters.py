@@ -5,7 +5,7 @@ import torch
 
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine
 from specdecode.bench.methods import parse_spec_method
-from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, Ema
+from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
@@ -419,7 +419,8 @@ def test_trim_measures_a_wider_pass_once_instead_of_trusting_the_guess():
         ctl = AdaptiveK(max_k=8)
         for width, seconds in costs.items():
             ctl.observe_pass(width, 1, seconds)
-        ctl.measured.position_accept[("ngram", 0)] = [Ema(0.2, 0.85) for _ in range(8)]  # lookups right 85 % of the time
+        first, later = ctl.measured.lookup_rates("ngram", 0)
+        first.value, later.judged, later.rejected = 0.85, 100.0, 15.0  # lookups right 85 % of the time
         return ctl
 
     long_draft = lambda: Draft(torch.arange(16)[None], source="ngram")  # noqa: E731
@@ -429,6 +430,27 @@ def test_trim_measures_a_wider_pass_once_instead_of_trusting_the_guess():
     ctl.observe_pass(17, 1, 0.26)
     assert ctl.trim(long_draft()).length >= 12  # measured cheap: keep drafting long
     assert controller({**flat, 17: 2.0}).trim(long_draft()).length == 8  # measured dear: what pays
+
+
+def test_one_rejection_deep_in_a_copy_does_not_keep_its_drafts_short():
+    """A copy breaks at an edit, not more often deep in a draft: one rate for a lookup's later positions learns from
+    every position judged. On the AMD EPYC's llama.cpp pass table (width 32 pays only for drafts nearly always accepted
+    whole) a class whose 31-token drafts are accepted whole is verified whole from its third draft, and again from the
+    third after one rejection at position 10 (a moving average per position: from the ninth, and the fourth)."""
+    ctl = AdaptiveK()
+    for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540}.items():
+        ctl.observe_pass(width, 1, ms / 1e3)
+
+    def verify(right: int) -> int:
+        """Trim a 31-token copy, verify what is left: its first `right` tokens are right. Returns the length verified."""
+        draft = ctl.trim(Draft(torch.arange(31)[None], source="suffix", match_len=40))
+        ctl.observe_row("suffix", None, draft.length, min(right, draft.length), 0.0, match_len=40)
+        return draft.length
+
+    assert [verify(31) for _ in range(8)][-1] == 31  # learned: this class copies whole
+    assert verify(10) == 31  # an edit at position 10
+    assert [verify(31) for _ in range(4)][2:] == [31, 31]
+    assert ctl.measured.lookup_rates("suffix", 40)[1].value > 0.98
 
 
 def test_adaptive_drafts_long_when_cheap_and_accepted():
