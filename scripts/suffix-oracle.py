@@ -48,7 +48,8 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
 def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float,
                  cache=None, max_new_tokens: int | None = None) -> tuple[list[list[int]], list[int]]:
     """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
-    committed, none past max_new_tokens (as the engine's draft budget); `cache`: a suffix cache holding earlier answers (a server's, kept across requests), else a fresh one."""
+    committed, none past max_new_tokens (as the engine's draft budget); `cache`: a suffix cache holding earlier
+    answers (a server's, kept across requests), else a fresh one."""
     suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
     drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=0, min_token_prob=floor)
     ids = torch.tensor([prompt + answer])

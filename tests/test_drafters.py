@@ -436,7 +436,8 @@ def test_one_rejection_deep_in_a_copy_does_not_keep_its_drafts_short():
     """A copy breaks at an edit, not more often deep in a draft: one rate for a lookup's later positions learns from
     every position judged. On the AMD EPYC's llama.cpp pass table (width 32 pays only for drafts nearly always accepted
     whole) a class whose 31-token drafts are accepted whole is verified whole from its third draft, and again from the
-    third after one rejection at position 10 (a moving average per position: from the ninth, and the fourth)."""
+    third after one rejection at position 10 (moving averages per position: not within eight drafts, and from the
+    fourth)."""
     ctl = AdaptiveK()
     for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540}.items():
         ctl.observe_pass(width, 1, ms / 1e3)
