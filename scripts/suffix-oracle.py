@@ -14,7 +14,10 @@ pass by width from a pass table (ms, `scripts/llama-pass-costs.py`'s "every posi
 Variants of the drafter (its cap of the draft at the match length, its probability floor, the longest draft) say
 what the drafter leaves on the table; the gap between oracle and a measured run says what the controller does.
 `--cross-request` keeps one suffix cache over the prompts in order, as a server does (agent traffic: each request
-drafts from the earlier answers too); `--depth` sets the trees' depth (a match of m tokens continues at most depth - m).
+drafts from the earlier answers too); `--depth` sets the trees' depth (a match of m tokens continues at most depth - m);
+`--alternatives` the runner-ups the drafter's tree holds (the product's 2: its chain is cut from that tree; 0: a path);
+`--ngram-gate` lets our controller see, before the suffix draft, a draft by llama-server's `ngram-mod` rule (a 24-token
+exact context, a chain of 48-64 tokens), priced as a source of its own.
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
         --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:31,4:0.1:31
@@ -46,12 +49,13 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
 
 
 def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float,
-                 cache=None, max_new_tokens: int | None = None) -> tuple[list[list[int]], list[int]]:
+                 cache=None, max_new_tokens: int | None = None, alternatives: int = 0) -> tuple[list[list[int]], list[int]]:
     """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
     committed, none past max_new_tokens (as the engine's draft budget); `cache`: a suffix cache holding earlier
     answers (a server's, kept across requests), else a fresh one."""
     suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
-    drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=0, min_token_prob=floor)
+    drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=alternatives,
+                                   min_token_prob=floor)
     ids = torch.tensor([prompt + answer])
     drafter.begin(ids[:, : len(prompt)])
     budget = max_new_tokens or 1 << 30
@@ -62,6 +66,30 @@ def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, fl
         matches.append(draft.match_len)
     drafter.reset()
     return out, matches
+
+
+def ngram_gate_drafts(pool: dict, prompt: list[int], answer: list[int], budget: int, n: int = 24, n_min: int = 48,
+                      n_max: int = 64) -> list[list[int]]:
+    """llama-server's `ngram-mod` drafts along the answer (common/speculative.cpp): the next token of every n-gram seen
+    (the last one wins), the answer's n-grams added 32 at a time; a draft chains up to n_max tokens from the last n and
+    is offered only when it reaches n_min. `pool` is kept across requests (a server's)."""
+    for i in range(len(prompt) - n):
+        pool[tuple(prompt[i : i + n])] = prompt[i + n]
+    added, out = len(prompt) - n, []
+    for t in range(len(answer)):
+        text = prompt + answer[:t]
+        if added + 32 < len(text):
+            for i in range(added, len(text) - n):
+                pool[tuple(text[i : i + n])] = text[i + n]
+            added = len(text) - n
+        draft: list[int] = []
+        while len(draft) < n_max and (token := pool.get(tuple((text + draft)[-n:]))) is not None:
+            draft.append(token)
+        out.append(draft[: budget - t - 1] if len(draft) >= n_min else [])
+    text = prompt + answer
+    for i in range(added, len(text) - n):
+        pool[tuple(text[i : i + n])] = text[i + n]
+    return out
 
 
 def accepted(draft: list[int], rest: list[int]) -> int:
@@ -108,18 +136,22 @@ def seeded_controller(cost: np.ndarray, widest: int) -> AdaptiveK:
 
 
 def controller_ms(answer: list[int], drafts: list[list[int]], matches: list[int], cost: np.ndarray, ctl: AdaptiveK,
-                  row: int) -> float:
+                  row: int, gate: list[list[int]] | None = None, longest: int = 31) -> float:
     """Our controller trimming each draft as the engine's `fit` does and learning from each step's outcome (one
-    controller for every prompt, as one engine serves them)."""
+    controller for every prompt, as one engine serves them); where `gate` has a draft (`ngram_gate_drafts`), that one,
+    priced as its own source with the longest match class. Suffix drafts are cut at `longest` first."""
     ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
     t, ms = 0, 0.0
     while t < len(answer):
-        draft = ctl.trim(Draft(torch.tensor([drafts[t][: ctl.lookup_length()] or [0]]), source="suffix", match_len=matches[t]))
-        length = draft.length if drafts[t] else 0
-        acc = accepted(drafts[t][:length], answer[t:])
+        tokens, source, match = drafts[t][:longest], "suffix", matches[t]
+        if gate is not None and gate[t]:
+            tokens, source, match = gate[t], "ngram-mod", len(gate[t])
+        draft = ctl.trim(Draft(torch.tensor([tokens or [0]]), source=source, match_len=match))
+        length = draft.length if tokens else 0
+        acc = accepted(tokens[:length], answer[t:])
         ms += cost[1 + length]
         ctl.observe(StepOutcome((row,), 1 + length, cost[1 + length] / 1e3, [RowOutcome(
-            "suffix", None, length, acc, 0.0, matches[t], positions=1 + length)]))
+            source, None, length, acc, 0.0, match, positions=1 + length)]))
         t += acc + 1
     return ms
 
@@ -135,6 +167,8 @@ def main() -> None:
     parser.add_argument("--cross-request", action="store_true",
                         help="one suffix cache over the prompts in order, as a server keeps (agent traffic)")
     parser.add_argument("--depth", type=int, default=suffix.MAX_TREE_DEPTH, help="the suffix trees' depth")
+    parser.add_argument("--alternatives", type=int, default=2, help="runner-ups in the drafter's tree (the product's: 2)")
+    parser.add_argument("--ngram-gate", action="store_true", help="ngram-mod's drafts first where its rule drafts")
     args = parser.parse_args()
     suffix.MAX_TREE_DEPTH = args.depth
     results = json.load(open(args.results))
@@ -143,25 +177,29 @@ def main() -> None:
     tokenizer = load_tokenizer(args.target)
     prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
     variants = [(float(f), float(p), int(k)) for f, p, k in (v.split(":") for v in args.variants.split(","))]
-    cost = pass_table(args.pass_ms, max(k for *_, k in variants) + 1)
+    cost = pass_table(args.pass_ms, max(max(k for *_, k in variants) + 1, 65))
     print(f"{'prompt':<18} {'tokens':>6} {'plain s':>8}" + "".join(f" {'x' + str(f) + ' p' + str(p) + ' k' + str(k):>23}" for f, p, k in variants))
     totals = np.zeros((len(variants), 4))
     worst = [np.inf] * len(variants)
     plain_total = 0.0
-    controllers = [seeded_controller(cost, max(WIDEST, k + 1)) for *_, k in variants]
+    controllers = [seeded_controller(cost, max(WIDEST, k + 1, 65 if args.ngram_gate else 0)) for *_, k in variants]
     caches = [suffix.shared_cache() if args.cross_request else None for _ in variants]
+    pool: dict = {}  # ngram-mod's n-grams: one per server (kept across requests) or per request
     for row, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt.text, chat=True)[0].tolist()
         answer = json.loads(rows[prompt.id]["token_ids"]) if isinstance(rows[prompt.id]["token_ids"], str) else rows[prompt.id]["token_ids"]
         plain = cost[1] * len(answer)
         plain_total += plain
         cells = []
+        if not args.cross_request:
+            pool = {}
+        gate = ngram_gate_drafts(pool, ids, answer, max_new_tokens or 1 << 30) if args.ngram_gate else None
         for i, (factor, floor, k) in enumerate(variants):
-            drafts, matches = drafts_along(ids, answer, k, factor, floor, caches[i], max_new_tokens)
+            drafts, matches = drafts_along(ids, answer, k, factor, floor, caches[i], max_new_tokens, args.alternatives)
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
-            ours = controller_ms(answer, drafts, matches, cost, controllers[i], row)
+            ours = controller_ms(answer, drafts, matches, cost, controllers[i], row, gate, longest=k)
             totals[i] += (oracle, cut, full, ours)
             worst[i] = min(worst[i], plain / ours)
             cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")
