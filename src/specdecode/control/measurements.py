@@ -41,8 +41,7 @@ class Measurements:
         self.pass_line = PassCostLine()  # one sequence's verify cost by width (the table serves batches)
         # Lookup drafts (no confidence), by (source, match class): P(the first token is right), and P(a later one is |
         # the ones before it were)
-        self.lookup_first: dict[tuple[str, int], Ema] = {}
-        self.lookup_later: dict[tuple[str, int], CopyRate] = {}
+        self.lookup: dict[tuple[str, int], tuple[Ema, CopyRate]] = {}
         # At a rejection one of the tree leaves is the target's correction this often (one more token)
         self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
         self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
@@ -66,10 +65,10 @@ class Measurements:
         is no less likely right than the first (a rate of its own, lower, kept lookups at one token forever, since a
         position never drafted is never measured)."""
         key = (source, match_class(match_len))
-        if key not in self.lookup_first:
+        if key not in self.lookup:
             prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
-            self.lookup_first[key], self.lookup_later[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
-        return self.lookup_first[key], self.lookup_later[key]
+            self.lookup[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
+        return self.lookup[key]
 
     def observe_lookup(self, source: str, match_len: int, drafted: int, accepted: int) -> None:
         """A lookup draft of `drafted` tokens, `accepted` of them accepted: positions up to the first rejection."""
