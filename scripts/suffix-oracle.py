@@ -16,11 +16,11 @@ what the drafter leaves on the table; the gap between oracle and a measured run 
 `--cross-request` keeps one suffix cache over the prompts in order, as a server does (agent traffic: each request
 drafts from the earlier answers too); `--depth` sets the trees' depth (a match of m tokens continues at most depth - m);
 `--alternatives` the runner-ups the drafter's tree holds (the product's 2: its chain is cut from that tree; 0: a path);
-`--ngram-gate` lets our controller see, before the suffix draft, a draft by llama-server's `ngram-mod` rule (a 24-token
-exact context, a chain of 48-64 tokens), priced as a source of its own.
+`--no-chains` turns off the drafter's long exact chains (llama-server's `ngram-mod` rule: a 24-token context chaining
+48-64 tokens, source `suffix/chain`).
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
-        --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:31,4:0.1:31
+        --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:63,4:0.1:63
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from specdecode.control import AdaptiveK
-from specdecode.control.calibrate import WIDEST, too_wide, widths
+from specdecode.control.calibrate import WIDEST, observe_calibration_pass, too_wide, widths
 from specdecode.control.step import RowOutcome, StepOutcome
 from specdecode.drafters import suffix
 from specdecode.drafters.base import Draft
@@ -49,46 +49,23 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
 
 
 def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float,
-                 cache=None, max_new_tokens: int | None = None, alternatives: int = 0) -> tuple[list[list[int]], list[int]]:
-    """The suffix drafter's draft (chain) and match length at each position of the answer, the answer so far
-    committed, none past max_new_tokens (as the engine's draft budget); `cache`: a suffix cache holding earlier
-    answers (a server's, kept across requests), else a fresh one."""
+                 cache=None, chains=None, max_new_tokens: int | None = None, alternatives: int = 0) -> list[Draft]:
+    """The suffix drafter's draft (its chain: tokens, source, match length) at each position of the answer, the answer
+    so far committed, none past max_new_tokens (as the engine's draft budget); `cache` / `chains`: a suffix cache and
+    context chains holding earlier answers (a server's, kept across requests), else fresh ones."""
     suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
     drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=alternatives,
-                                   min_token_prob=floor)
+                                   min_token_prob=floor, chains=chains)
     ids = torch.tensor([prompt + answer])
     drafter.begin(ids[:, : len(prompt)])
     budget = max_new_tokens or 1 << 30
-    out, matches = [], []
+    out = []
     for t in range(len(answer)):
         draft = drafter.propose(ids[:, : len(prompt) + t], k, None, None)
-        out.append(draft.tokens[0].tolist()[: budget - t - 1])
-        matches.append(draft.match_len)
+        draft.truncate(budget - t - 1)
+        draft.alternatives = None
+        out.append(draft)
     drafter.reset()
-    return out, matches
-
-
-def ngram_gate_drafts(pool: dict, prompt: list[int], answer: list[int], budget: int, n: int = 24, n_min: int = 48,
-                      n_max: int = 64) -> list[list[int]]:
-    """llama-server's `ngram-mod` drafts along the answer (common/speculative.cpp): the next token of every n-gram seen
-    (the last one wins), the answer's n-grams added 32 at a time; a draft chains up to n_max tokens from the last n and
-    is offered only when it reaches n_min. `pool` is kept across requests (a server's)."""
-    for i in range(len(prompt) - n):
-        pool[tuple(prompt[i : i + n])] = prompt[i + n]
-    added, out = len(prompt) - n, []
-    for t in range(len(answer)):
-        text = prompt + answer[:t]
-        if added + 32 < len(text):
-            for i in range(added, len(text) - n):
-                pool[tuple(text[i : i + n])] = text[i + n]
-            added = len(text) - n
-        draft: list[int] = []
-        while len(draft) < n_max and (token := pool.get(tuple((text + draft)[-n:]))) is not None:
-            draft.append(token)
-        out.append(draft[: budget - t - 1] if len(draft) >= n_min else [])
-    text = prompt + answer
-    for i in range(added, len(text) - n):
-        pool[tuple(text[i : i + n])] = text[i + n]
     return out
 
 
@@ -99,24 +76,26 @@ def accepted(draft: list[int], rest: list[int]) -> int:
     return n
 
 
-def oracle_ms(answer: list[int], drafts: list[list[int]], cost: np.ndarray) -> float:
+def oracle_ms(answer: list[int], drafts: list[Draft], cost: np.ndarray) -> float:
     """Least time to decode the answer when each step's draft may be cut anywhere (knowing the verdicts)."""
     T = len(answer)
     best = np.full(T + 1, np.inf)
     best[T] = 0.0
     for t in range(T - 1, -1, -1):
-        acc = accepted(drafts[t], answer[t:])
-        for length in range(len(drafts[t]) + 1):
+        draft = drafts[t].tokens[0].tolist()
+        acc = accepted(draft, answer[t:])
+        for length in range(len(draft) + 1):
             step = min(length, acc) + 1
             best[t] = min(best[t], cost[1 + length] + best[min(T, t + step)])
     return float(best[0])
 
 
-def cut_ms(answer: list[int], drafts: list[list[int]], cost: np.ndarray, rule) -> float:
+def cut_ms(answer: list[int], drafts: list[Draft], cost: np.ndarray, rule) -> float:
     t, ms = 0, 0.0
     while t < len(answer):
-        acc = accepted(drafts[t], answer[t:])
-        length = rule(drafts[t], acc)
+        draft = drafts[t].tokens[0].tolist()
+        acc = accepted(draft, answer[t:])
+        length = rule(draft, acc)
         ms += cost[1 + length]
         t += min(length, acc) + 1
     return ms
@@ -130,28 +109,24 @@ def seeded_controller(cost: np.ndarray, widest: int) -> AdaptiveK:
         if too_wide(passes, width):
             break
         passes[width] = cost[min(width, len(cost) - 1)] / 1e3
-        ctl.observe_pass(width, 1, passes[width])
+        observe_calibration_pass(ctl, width, passes[width])
     ctl.rows_changed()
     return ctl
 
 
-def controller_ms(answer: list[int], drafts: list[list[int]], matches: list[int], cost: np.ndarray, ctl: AdaptiveK,
-                  row: int, gate: list[list[int]] | None = None, longest: int = 31) -> float:
+def controller_ms(answer: list[int], drafts: list[Draft], cost: np.ndarray, ctl: AdaptiveK, row: int) -> float:
     """Our controller trimming each draft as the engine's `fit` does and learning from each step's outcome (one
-    controller for every prompt, as one engine serves them); where `gate` has a draft (`ngram_gate_drafts`), that one,
-    priced as its own source with the longest match class. Suffix drafts are cut at `longest` first."""
+    controller for every prompt, as one engine serves them)."""
     ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
     t, ms = 0, 0.0
     while t < len(answer):
-        tokens, source, match = drafts[t][:longest], "suffix", matches[t]
-        if gate is not None and gate[t]:
-            tokens, source, match = gate[t], "ngram-mod", len(gate[t])
-        draft = ctl.trim(Draft(torch.tensor([tokens or [0]]), source=source, match_len=match))
-        length = draft.length if tokens else 0
-        acc = accepted(tokens[:length], answer[t:])
-        ms += cost[1 + length]
-        ctl.observe(StepOutcome((row,), 1 + length, cost[1 + length] / 1e3, [RowOutcome(
-            source, None, length, acc, 0.0, match, positions=1 + length)]))
+        offered = drafts[t]
+        tokens = offered.tokens[0].tolist()
+        draft = ctl.trim(Draft(offered.tokens.clone(), source=offered.source, match_len=offered.match_len))
+        acc = accepted(tokens[: draft.length], answer[t:])
+        ms += cost[1 + draft.length]
+        ctl.observe(StepOutcome((row,), 1 + draft.length, cost[1 + draft.length] / 1e3, [RowOutcome(
+            draft.source, None, draft.length, acc, 0.0, draft.match_len, positions=1 + draft.length)]))
         t += acc + 1
     return ms
 
@@ -162,13 +137,13 @@ def main() -> None:
     parser.add_argument("--prompts", default="edits")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--pass-ms", required=True, help="width:ms,... (every-position pass costs)")
-    parser.add_argument("--variants", default="1:0.1:31,4:0.1:31,64:0.1:31,64:0.1:63,64:0.0:63",
+    parser.add_argument("--variants", default="1:0.1:63,4:0.1:63,64:0.1:63,64:0.0:63",
                         help="factor:floor:longest,... of the suffix drafter")
     parser.add_argument("--cross-request", action="store_true",
                         help="one suffix cache over the prompts in order, as a server keeps (agent traffic)")
     parser.add_argument("--depth", type=int, default=suffix.MAX_TREE_DEPTH, help="the suffix trees' depth")
     parser.add_argument("--alternatives", type=int, default=2, help="runner-ups in the drafter's tree (the product's: 2)")
-    parser.add_argument("--ngram-gate", action="store_true", help="ngram-mod's drafts first where its rule drafts")
+    parser.add_argument("--no-chains", action="store_true", help="the drafter without its long exact chains")
     args = parser.parse_args()
     suffix.MAX_TREE_DEPTH = args.depth
     results = json.load(open(args.results))
@@ -182,24 +157,23 @@ def main() -> None:
     totals = np.zeros((len(variants), 4))
     worst = [np.inf] * len(variants)
     plain_total = 0.0
-    controllers = [seeded_controller(cost, max(WIDEST, k + 1, 65 if args.ngram_gate else 0)) for *_, k in variants]
-    caches = [suffix.shared_cache() if args.cross_request else None for _ in variants]
-    pool: dict = {}  # ngram-mod's n-grams: one per server (kept across requests) or per request
+    controllers = [seeded_controller(cost, max(WIDEST, k + 1)) for *_, k in variants]
+    fresh_chains = lambda: suffix.ContextChains(capacity=0 if args.no_chains else suffix.CHAIN_CONTEXTS)  # noqa: E731
+    caches = [(suffix.shared_cache(), fresh_chains()) if args.cross_request else (None, None) for _ in variants]
     for row, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt.text, chat=True)[0].tolist()
         answer = json.loads(rows[prompt.id]["token_ids"]) if isinstance(rows[prompt.id]["token_ids"], str) else rows[prompt.id]["token_ids"]
         plain = cost[1] * len(answer)
         plain_total += plain
         cells = []
-        if not args.cross_request:
-            pool = {}
-        gate = ngram_gate_drafts(pool, ids, answer, max_new_tokens or 1 << 30) if args.ngram_gate else None
         for i, (factor, floor, k) in enumerate(variants):
-            drafts, matches = drafts_along(ids, answer, k, factor, floor, caches[i], max_new_tokens, args.alternatives)
+            cache, chains = caches[i]
+            drafts = drafts_along(ids, answer, k, factor, floor, cache, chains if chains is not None else fresh_chains(),
+                                  max_new_tokens, args.alternatives)
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
-            ours = controller_ms(answer, drafts, matches, cost, controllers[i], row, gate, longest=k)
+            ours = controller_ms(answer, drafts, cost, controllers[i], row)
             totals[i] += (oracle, cut, full, ours)
             worst[i] = min(worst[i], plain / ours)
             cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specdecode.control import AdaptiveK
-from specdecode.control.calibrate import too_wide, widths
+from specdecode.control.calibrate import observe_calibration_pass, too_wide, widths
 from specdecode.drafters.base import Draft
 
 DATA = Path(__file__).parent / "data"
@@ -85,7 +85,7 @@ def seed_as_at_load(ctl: AdaptiveK, machine: Machine) -> None:
         if too_wide(passes, width):
             break
         passes[width] = machine.verify_s(width)
-        ctl.observe_pass(width, 1, passes[width])
+        observe_calibration_pass(ctl, width, passes[width])
     ctl.rows_changed()
     ctl.observe_reading(32, 32 * machine.draft_read_ms / 1000)
     ctl.costs.observe_draft("model", 4, 4 * machine.draft_ms / 1000)

@@ -258,10 +258,10 @@ def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft, mo
     calibrate_module = importlib.import_module("specdecode.control.calibrate")  # the module, not its function
     ticks = itertools.count(step=0.001)  # every timing is 1 ms: passes flat in width, so every width is timed
     monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
-    engine = BatchEngine(target, ModelDrafter(near_draft), k=4, adaptive=True, max_batch=8)
+    engine = BatchEngine(target, ModelDrafter(near_draft), k=8, adaptive=True, max_batch=8)
     costs = engine.controller.costs
-    assert set(engine.calibration["verify_s"]) == set(widths(8 * 5)) == {1, 2, 4, 8, 16, 32, 40}
-    assert all(costs.measured(width) for width in widths(40)) and engine.controller.pass_line.slope is not None
+    assert set(engine.calibration["verify_s"]) == set(widths(8 * 9)) == {1, 2, 4, 8, 16, 32, 64, 72}
+    assert all(costs.measured(width) for width in widths(72)) and engine.controller.pass_line.slope is not None
     assert costs.draft_time() > 0 and costs.draft_prefill_token_s.value > 0 and engine.calibration["draft_token_s"] > 0
     assert engine.backend.rows == 0
     prompt = random_prompt(3, 7)

@@ -1,12 +1,14 @@
 """Every drafter and controller keeps the output exact; the fast-draft pieces do what they claim."""
 
+import numpy as np
 import pytest
 import torch
 
-from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine
+from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
 from specdecode.drafters import ComboDrafter, Draft
+from specdecode.drafters.suffix import ContextChains
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from replay import observe_step, simulate_costs
@@ -452,6 +454,67 @@ def test_one_rejection_deep_in_a_copy_does_not_keep_its_drafts_short():
     assert verify(10) == 31  # an edit at position 10
     assert [verify(31) for _ in range(4)][2:] == [31, 31]
     assert ctl.measured.lookup_rates("suffix", 40)[1].value > 0.98
+
+
+def test_context_chains_follow_the_latest_continuation_and_forget_the_oldest():
+    chains = ContextChains(context=2, shortest=3, longest=5)
+    chains.add(np.array([1, 2, 3, 4, 5, 6, 7]), 0)
+    assert chains.follow(np.array([9, 1, 2]), 8) == [3, 4, 5, 6, 7]  # from the last 2 tokens, up to 5
+    assert chains.follow(np.array([1, 2]), 4) == [3, 4, 5, 6]  # k cuts
+    assert chains.follow(np.array([5, 6]), 8) == []  # chains 1 token: short of 3
+    assert chains.follow(np.array([1, 2]), 2) == []  # k under the shortest chain offered
+    chains.add(np.array([1, 2, 9, 9, 9, 9]), 2)  # [1, 2] seen again, followed by 9 now
+    assert chains.follow(np.array([1, 2]), 8) == [9, 9, 9, 9, 9]
+    small = ContextChains(context=2, shortest=1, longest=4, capacity=3)
+    small.add(np.array([1, 2, 3, 4, 5, 6]), 0)  # four contexts, three kept: [1, 2] dropped
+    assert small.follow(np.array([1, 2]), 4) == [] and small.follow(np.array([2, 3]), 4) == [4, 5, 6]
+    with pytest.raises(ValueError, match="shortest <= longest"):
+        ContextChains(shortest=8, longest=4)
+
+
+def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
+    """Where the text's last 24 tokens occurred before and chain on for 48+, the suffix drafter offers that chain
+    (source suffix/chain, up to k); a shorter repetition stays a suffix-tree draft; a later request sharing the
+    drafter's root drafts from an earlier one's text."""
+    text = random_prompt(5, 80, vocab=5000)[0].tolist()
+    first = SuffixDrafter()
+    first.begin(torch.tensor([text]))
+    draft = first.propose_free(torch.tensor([text + text[:30]]), 63)
+    assert draft.source == "suffix/chain" and draft.match_len == 24
+    assert draft.tokens[0].tolist() == (text[30:] + text[:30])[:63]
+    first.reset()
+    later = first.spawn()
+    other = random_prompt(6, 20, vocab=5000)[0].tolist() + text[10:40]
+    later.begin(torch.tensor([other]))
+    assert later.propose_free(torch.tensor([other]), 63).tokens[0].tolist() == (text[30:] + text[:30])[10:73]
+    alone = SuffixDrafter()  # text[:20] again: 20 tokens match, a context of 24 does not
+    alone.begin(torch.tensor([text]))
+    short = alone.propose_free(torch.tensor([text + text[:20]]), 63)
+    assert short.source == "suffix" and short.match_len == 20 and short.tokens[0].tolist()[:8] == text[20:28]
+
+
+def test_a_refined_source_starts_where_its_parent_stands():
+    """A chain draft (source "suffix/chain") is first priced by what this engine learned of its parent's long matches,
+    not by a prior: where long copies broke early it is cut short; where its parent never drafted, the prior decides."""
+    def epyc_controller():
+        ctl = AdaptiveK()
+        for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540, 64: 860}.items():
+            ctl.observe_pass(width, 1, ms / 1e3)
+        return ctl
+
+    chain = lambda: Draft(torch.arange(63)[None], source="suffix/chain", match_len=24)  # noqa: E731
+    fresh = epyc_controller().trim(chain()).length
+    assert fresh >= 15  # the 16+ class's prior (0.95) verifies a long copy
+    broke_early = epyc_controller()
+    for _ in range(6):  # the parent's long matches: right for 2 tokens, then wrong
+        draft = broke_early.trim(Draft(torch.arange(31)[None], source="suffix", match_len=30))
+        broke_early.observe_row("suffix", None, draft.length, min(2, draft.length), 0.0, match_len=30)
+    assert broke_early.trim(chain()).length < fresh
+    first, later = broke_early.measured.lookup_rates("suffix/chain", 24)
+    parent_first, parent_later = broke_early.measured.lookup_rates("suffix", 30)
+    assert (first.value, later.value) == (parent_first.value, parent_later.value)
+    broke_early.observe_row("suffix/chain", None, 4, 4, 0.0, match_len=24)  # then it learns its own
+    assert later.value > parent_later.value and first is not parent_first
 
 
 def test_adaptive_drafts_long_when_cheap_and_accepted():

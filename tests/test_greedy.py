@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdecode import ModelDrafter, NgramDrafter, SpeculativeEngine, SuffixDrafter
+from specdecode.drafters.suffix import ContextChains
 from specdecode.stopping import StopCondition
 from tiny import keep_one_stale_entry, random_prompt, reference_greedy
 
@@ -25,11 +26,12 @@ def drafters(target, weak_draft, near_draft):
         "self": ModelDrafter(target),
         "ngram": NgramDrafter(),
         "suffix": SuffixDrafter(),  # its trees verified as chain + leaves (tree.py; leaves used: test_tree.py)
+        "chain": SuffixDrafter(chains=ContextChains(context=2, shortest=2, longest=8)),  # short copies chained
     }
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram", "suffix"])
+@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram", "suffix", "chain"])
 def test_greedy_output_equals_target_greedy(target, weak_draft, near_draft, references, which, k):
     engine = SpeculativeEngine(target, drafters(target, weak_draft, near_draft)[which], k=k)
     results = []
@@ -39,9 +41,12 @@ def test_greedy_output_equals_target_greedy(target, weak_draft, near_draft, refe
         assert result.finish_reason == "length"
     drafted = sum(r.stats.drafted_tokens for r in results)
     assert drafted > 0
-    if which in ("ngram", "suffix") and k > 1:  # lookups: drafts of 2+ tokens, some rejected (rollback exercised)
+    if which in ("ngram", "suffix", "chain") and k > 1:  # lookups: drafts of 2+ tokens, some rejected (rollback exercised)
         assert sum(r.stats.drafted_per_position[1] for r in results if len(r.stats.drafted_per_position) > 1) > 0
         assert sum(r.stats.accepted_tokens for r in results) < drafted
+    if which == "chain" and k > 1:  # chained copies drafted, and some rejected
+        chained = [sum(r.stats.by_source.get("suffix/chain", [0, 0, 0])[i] for r in results) for i in (1, 2)]
+        assert chained[0] > chained[1] > 0, chained
 
 
 def test_plain_decoding_equals_uncached_reference(target, references):

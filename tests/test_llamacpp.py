@@ -11,6 +11,7 @@ from specdecode.batch import BatchEngine
 from specdecode.check import first_difference, top2_gap
 from specdecode.models import load_model, load_tokenizer
 from specdecode.drafters.factory import make_llama_drafter
+from specdecode.drafters.suffix import ContextChains
 from stats_check import fit
 from tiny import keep_one_stale_entry, tiny_model
 
@@ -61,11 +62,12 @@ def drafters(smol_gguf):
         "self": ModelDrafter(LlamaCppBackend(smol_gguf, threads=2), name="smollm2-135m"),  # a second llama.cpp context
         "ngram": NgramDrafter(),
         "suffix": SuffixDrafter(),  # llama.cpp scores no trees: its best chain
+        "chain": SuffixDrafter(chains=ContextChains(context=2, shortest=2, longest=8)),  # short copies chained
     }
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram", "suffix"])
+@pytest.mark.parametrize("which", ["weak", "near", "self", "ngram", "suffix", "chain"])
 def test_greedy_output_is_llama_cpps_own(backend, prompts, references, drafters, which, k):
     engine = SpeculativeEngine(backend, drafters[which], k=k)
     results = [engine.generate(p, max_new_tokens=NEW_TOKENS).result() for p in prompts]
@@ -75,8 +77,11 @@ def test_greedy_output_is_llama_cpps_own(backend, prompts, references, drafters,
     assert drafted > 0
     if which in ("weak", "near") and k > 1:
         assert sum(r.stats.accepted_tokens for r in results) < drafted  # rejections happened: rollback was exercised
-    if which in ("weak", "near", "suffix") and k > 1:
+    if which in ("weak", "near", "suffix", "chain") and k > 1:
         assert sum(r.stats.drafted_per_position[1] for r in results) > 0  # drafts of 2+ tokens
+    if which == "chain" and k > 1:  # chained copies drafted, and some rejected
+        chained = [sum(r.stats.by_source.get("suffix/chain", [0, 0, 0])[i] for r in results) for i in (1, 2)]
+        assert chained[0] > chained[1] > 0, chained
 
 
 def test_a_stale_cache_entry_is_caught(backend, prompts, references, drafters, monkeypatch):

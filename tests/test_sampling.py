@@ -300,11 +300,14 @@ def test_every_bit_of_a_64_bit_seed_counts():
 # ----------------------------------------------------------------------------- drafts that cost no model pass
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["trees", "chains"])
 @pytest.mark.parametrize("lossless", [True, False], ids=["speculative-rule", "wrong-rule"])
-def test_suffix_drafts_keep_the_target_distribution(small_vocab_pair, monkeypatch, lossless):
+def test_suffix_drafts_keep_the_target_distribution(small_vocab_pair, monkeypatch, lossless, chained):
     """Suffix-tree drafts (deterministic: q one-hot) from the prompt and earlier samples' answers, 2 tokens and more,
-    with their tree leaves; a rule that resamples from p instead of the residual must show."""
+    with their tree leaves, or its chained copies (short ones here); a rule that resamples from p instead of the
+    residual must show."""
     from specdecode import SuffixDrafter
+    from specdecode.drafters.suffix import ContextChains
 
     if not lossless:
         monkeypatch.setattr(sampling_module, "speculative_accept", wrong_rule_resample_from_p)
@@ -313,6 +316,8 @@ def test_suffix_drafts_keep_the_target_distribution(small_vocab_pair, monkeypatc
     # (of 12 such prompts this one shows it clearest, p ~ 1e-6 at 1500 samples)
     prompt = random_prompt(3, 2, vocab=VOCAB).repeat(1, 3)
     params = SETTINGS[0]
-    generated, stats = sample_generations(batched(target, SuffixDrafter()), prompt, params, SAMPLES)
+    drafter = SuffixDrafter(chains=ContextChains(context=2, shortest=2, longest=4) if chained else None)
+    generated, stats = sample_generations(batched(target, drafter), prompt, params, SAMPLES)
     assert_drafts_reached_the_second_position(stats)
+    assert any("suffix/chain" in s.by_source for s in stats) == chained
     assert_lossless(check_results(generated, target, prompt, params), lossless=lossless)

@@ -174,6 +174,10 @@ def test_metrics_counters_move(server):
     assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="200"') == ok_before + 1
     assert metric(server, "specdecode_requests_total", 'endpoint="/v1/completions",status="400"') == bad_before + 1
     text = httpx.get(server.url + "/metrics").text
+    for kind in ("draft", "accepted"):  # every drafted (accepted) token is counted under the source that drafted it
+        by_source = [float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith(f"specdecode_{kind}_tokens_by_source_total{{source=")]
+        assert by_source and sum(by_source) == metric(server, f"specdecode_{kind}_tokens_total")
     for name in ("specdecode_queue_length", "specdecode_draft_tokens_by_position_total", "specdecode_verify_seconds_bucket",
                  "specdecode_draft_seconds_bucket", "specdecode_speculation_on", "specdecode_step_seconds_bucket",
                  "specdecode_admit_seconds_bucket"):

@@ -125,6 +125,7 @@ class StepReport:
     lookup_only: bool = False  # model drafting did not pay: only free lookup (n-gram) drafts were considered
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # drafter source -> [drafted, accepted]
 
 
 class BatchEngine:
@@ -385,6 +386,9 @@ class BatchEngine:
             report.accepted += n
             count_positions(report.drafted_per_position, draft.length)
             count_positions(report.accepted_per_position, n)
+            if draft.length:
+                tally = report.by_source.setdefault(draft.source or "draft", [0, 0])
+                tally[0], tally[1] = tally[0] + draft.length, tally[1] + n
             chunk = seq.emit()
             if chunk:
                 report.events.append((seq, chunk))

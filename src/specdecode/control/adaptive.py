@@ -297,7 +297,7 @@ class AdaptiveK:
                      for n, accepted in enumerate(expected, 1)]
             draft.truncate(most_saving(saved))
             return draft
-        # Priced by the pass table, measured by width up to 32 (a line through it misprices a curve that is flat
+        # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self.measured.costs.verify_time(positions, rows) / rows  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)

@@ -4,6 +4,8 @@ how often tree leaves hold the correction. Only `AdaptiveK.observe` writes it.""
 
 from __future__ import annotations
 
+import copy
+
 from . import priors
 from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
 
@@ -63,11 +65,19 @@ class Measurements:
     def lookup_rates(self, source: str, match_len: int) -> tuple[Ema, CopyRate]:
         """The first token's rate and the later tokens', both starting from the match class's prior: a later position
         is no less likely right than the first (a rate of its own, lower, kept lookups at one token forever, since a
-        position never drafted is never measured)."""
+        position never drafted is never measured). A refined source ("suffix/chain": drafts a source makes on stronger
+        evidence) starts from where its parent's rates for that class stand, then learns its own: at a fixed prior
+        its first bets were as wide as long copies are here, where the traffic had already taught that its long
+        copies break early (a summary: 0.98x -> 0.87x in replay)."""
         key = (source, match_class(match_len))
         if key not in self.lookup:
-            prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
-            self.lookup[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
+            parent, slash, _ = source.rpartition("/")
+            if slash and (parent, key[1]) in self.lookup:
+                first, later = self.lookup[(parent, key[1])]
+                self.lookup[key] = copy.deepcopy(first), copy.deepcopy(later)
+            else:
+                prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
+                self.lookup[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
         return self.lookup[key]
 
     def observe_lookup(self, source: str, match_len: int, drafted: int, accepted: int) -> None:

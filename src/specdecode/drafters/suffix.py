@@ -5,11 +5,17 @@ earlier responses; a draft follows the longest match of the text's suffix, frequ
 branch's estimated probability falls under a floor, so a weak match drafts little. Costs no model pass.
 Its tree becomes a chain (the most frequent path) and, at each position, the other branches as one-token leaves
 (tree.py's layout; a backend that scores no trees verifies the chain alone).
+
+Long exact copies draft by llama-server's `ngram-mod` rule first (`ContextChains`): where the text's last 24 tokens
+occurred before, the token that followed them, chained, up to 64 tokens, offered only when it chains 48. That evidence
+is stronger than a suffix match of the same length (the copy runs on for 48 more tokens), so such a draft has its own
+source, `suffix/chain`, which the controller prices apart (control/measurements.py).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -29,6 +35,12 @@ MIN_TOKEN_PROB = 0.1  # a branch whose estimated probability falls below this en
 MAX_SPEC_FACTOR = 1.0  # a match of n tokens drafts at most n tokens (+ MAX_SPEC_OFFSET): a short match is weak
 MAX_SPEC_OFFSET = 0.0
 CACHED_RESPONSES = 256  # earlier answers kept for drafting across requests (first in, first out)
+# Chains (llama-server's `ngram-mod` defaults): a context of 24 tokens; offered at 48 chained, up to 64. Replayed on the
+# AMD EPYC AVX-512 pass table, agent traffic decodes 1.44x -> 1.56-1.60x plain with them, code edits 1.38x -> 1.43-1.45x
+# (docs/results.md, session 24)
+CHAIN_CONTEXT, CHAIN_SHORTEST, CHAIN_LONGEST = 24, 48, 64
+CHAIN_CONTEXTS = 1 << 18  # contexts kept across requests (oldest out first): ~50 MB
+CHAIN_SOURCE = "suffix/chain"
 
 _request_ids = itertools.count()
 
@@ -47,20 +59,61 @@ def shared_cache(max_cached_requests: int = CACHED_RESPONSES):
     return SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=max_cached_requests)
 
 
+class ContextChains:
+    """The token that followed each `context`-token context seen (the latest occurrence wins), over every request of
+    the drafters that share it, the oldest contexts dropped past `capacity`; `follow` chains them into a draft."""
+
+    def __init__(self, context: int = CHAIN_CONTEXT, shortest: int = CHAIN_SHORTEST, longest: int = CHAIN_LONGEST,
+                 capacity: int = CHAIN_CONTEXTS):
+        if not (context >= 1 and 1 <= shortest <= longest):
+            raise ValueError(f"need context >= 1 and 1 <= shortest <= longest, got {context}, {shortest}, {longest}")
+        self.context, self.shortest, self.longest, self.capacity = context, shortest, longest, capacity
+        self.next: OrderedDict[bytes, int] = OrderedDict()
+
+    def add(self, tokens: np.ndarray, first: int) -> None:
+        """Record the context before each of tokens[first:] with the token that followed it."""
+        n, tokens = self.context, np.asarray(tokens, dtype=np.int32)
+        for end in range(max(first, n), len(tokens)):
+            key = tokens[end - n : end].tobytes()
+            self.next.pop(key, None)  # re-inserted: the newest, last to be dropped
+            self.next[key] = int(tokens[end])
+        while len(self.next) > self.capacity:
+            self.next.popitem(last=False)
+
+    def follow(self, tail: np.ndarray, k: int) -> list[int]:
+        """The chain after the text's last `context` tokens (`tail`), at most min(k, longest) tokens; [] where it
+        falls short of `shortest`."""
+        n, longest = self.context, min(k, self.longest)
+        if len(tail) < n or longest < self.shortest:
+            return []
+        window = np.empty(n + longest, dtype=np.int32)
+        window[:n] = tail[-n:]
+        for i in range(longest):
+            token = self.next.get(window[i : i + n].tobytes())
+            if token is None:
+                break
+            window[n + i] = token
+        else:
+            i = longest
+        return window[n : n + i].tolist() if i >= self.shortest else []
+
+
 class SuffixDrafter(Drafter):
     name = "suffix"
     free = True
 
-    def __init__(self, cache=None, alternatives: int = 2, min_token_prob: float = MIN_TOKEN_PROB):
+    def __init__(self, cache=None, alternatives: int = 2, min_token_prob: float = MIN_TOKEN_PROB,
+                 chains: ContextChains | None = None):
         if not isinstance(alternatives, int) or alternatives < 0:
             raise ValueError(f"alternatives must be an integer >= 0, got {alternatives!r}")
         self.cache = cache if cache is not None else shared_cache()
+        self.chains = chains if chains is not None else ContextChains()
         self.alternatives, self.min_token_prob = alternatives, min_token_prob
         self.request = None  # this drafter's request id in the cache (None: no sequence started)
         self.seen = 0  # committed tokens the cache holds for it
 
     def spawn(self) -> "SuffixDrafter":
-        return SuffixDrafter(self.cache, self.alternatives, self.min_token_prob)
+        return SuffixDrafter(self.cache, self.alternatives, self.min_token_prob, self.chains)
 
     def reset(self) -> None:
         if self.request is not None:
@@ -70,7 +123,9 @@ class SuffixDrafter(Drafter):
     def begin(self, prompt_ids: torch.Tensor) -> None:
         self.reset()
         self.request = next(_request_ids)
-        self.cache.start_request(self.request, _int32(prompt_ids[0]))
+        prompt = _int32(prompt_ids[0])
+        self.cache.start_request(self.request, prompt)
+        self.chains.add(prompt, 0)
         self.seen = prompt_ids.shape[1]
 
     def commit(self, input_ids: torch.Tensor) -> None:
@@ -78,10 +133,15 @@ class SuffixDrafter(Drafter):
             self.begin(input_ids)
         elif input_ids.shape[1] > self.seen:
             self.cache.add_active_response(self.request, _int32(input_ids[0, self.seen :]))
+            start = max(0, self.seen - self.chains.context)  # the new tokens with the context before them
+            self.chains.add(_int32(input_ids[0, start:]), self.seen - start)
             self.seen = input_ids.shape[1]
 
     def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
         self.commit(input_ids)  # a sequence the engine did not begin (its first propose) starts here
+        chain = self.chains.follow(_int32(input_ids[0, -self.chains.context :]), k)
+        if chain:
+            return Draft(torch.tensor([chain]), source=CHAIN_SOURCE, match_len=self.chains.context)
         # The tree grows best-first by estimated probability: room for the chain's branches as well as the chain.
         room = 1 + self.alternatives
         found = self.cache.speculate(

@@ -26,6 +26,11 @@ class Metrics:
         self.running = Gauge("specdecode_running_requests", "Requests admitted and not finished", registry=r)
         self.draft_tokens = Counter("specdecode_draft_tokens", "Tokens proposed by the drafter", registry=r)
         self.accepted_tokens = Counter("specdecode_accepted_tokens", "Drafted tokens the target accepted", registry=r)
+        self.draft_by_source = Counter(
+            "specdecode_draft_tokens_by_source", "Drafted tokens by source (suffix, suffix/chain: a long copy, ngram, a model)",
+            ["source"], registry=r)
+        self.accepted_by_source = Counter(
+            "specdecode_accepted_tokens_by_source", "Accepted tokens by the source that drafted them", ["source"], registry=r)
         self.draft_by_position = Counter(
             "specdecode_draft_tokens_by_position", "Drafted tokens by position in the draft (1 = first)", ["position"], registry=r)
         self.accepted_by_position = Counter(
@@ -64,6 +69,9 @@ class Metrics:
             self.admit_seconds.observe(report.admit_s)
         self.draft_tokens.inc(report.drafted)
         self.accepted_tokens.inc(report.accepted)
+        for source, (drafted, accepted) in report.by_source.items():
+            self.draft_by_source.labels(source).inc(drafted)
+            self.accepted_by_source.labels(source).inc(accepted)
         for i, n in enumerate(report.drafted_per_position):
             self.draft_by_position.labels(str(i + 1)).inc(n)
         for i, n in enumerate(report.accepted_per_position):
