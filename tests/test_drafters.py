@@ -493,6 +493,28 @@ def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
     assert short.source == "suffix" and short.match_len == 20 and short.tokens[0].tolist()[:8] == text[20:28]
 
 
+def test_a_pass_measured_dearer_than_a_wider_one_runs_padded():
+    """Where the backend pads passes, a width measured dearer than a wider one is run (and priced) at the wider one
+    (AMD EPYC llama.cpp at a 1,150-token context: 58 positions 1,113 ms, 64 972); one not measured is not padded (the
+    table interpolates it), and neither is a batch's pass or a backend that does not pad."""
+    ctl = AdaptiveK()
+    for width, ms in {1: 40, 2: 72, 4: 124, 8: 261, 16: 355, 32: 596, 64: 972}.items():
+        ctl.observe_pass(width, 1, ms / 1e3)
+    ctl.pads = True
+    assert ctl.pass_width(58) == 58  # interpolated: 878 ms
+    ctl.observe_pass(58, 1, 1.113)
+    assert ctl.pass_width(58) == 64 and ctl.pass_width(64) == 64 and ctl.pass_width(17) == 17
+    copy = lambda: Draft(torch.arange(57)[None], source="suffix/chain", match_len=24)  # noqa: E731
+    for _ in range(6):  # long copies accepted whole
+        draft = ctl.trim(copy())
+        ctl.observe_row("suffix/chain", None, draft.length, draft.length, 0.0, match_len=24)
+    assert ctl.trim(copy()).length == 57  # priced at the 64-wide pass
+    ctl.pads = False
+    assert ctl.pass_width(58) == 58 and ctl.trim(copy()).length == 31  # at 1,113 ms the 32-wide pass pays more
+    ctl.pads, ctl.rows = True, 2
+    assert ctl.pass_width(58) == 58
+
+
 def test_a_refined_source_starts_where_its_parent_stands():
     """A chain draft (source "suffix/chain") is first priced by what this engine learned of its parent's long matches,
     not by a prior: where long copies broke early it is cut short; where its parent never drafted, the prior decides."""

@@ -84,6 +84,37 @@ def test_greedy_output_is_llama_cpps_own(backend, prompts, references, drafters,
         assert chained[0] > chained[1] > 0, chained
 
 
+def test_padded_passes_keep_the_output(backend, smol_gguf, prompts, references, drafters, monkeypatch):
+    """Passes run wider than their inputs (extra positions, no logits, dropped at `keep`; where the wider pass measures
+    cheaper) give llama.cpp's own greedy output; a pad cell left in the cache fails the next pass (checked below)."""
+    from specdecode.control.step import FixedK
+
+    widths = []
+    forward = LlamaCppBackend.forward
+
+    def counted(self, tokens, widths_, offsets=None, visibility=None, pad_to=0):
+        widths.append((sum(widths_), pad_to))
+        return forward(self, tokens, widths_, offsets, visibility, pad_to)
+
+    monkeypatch.setattr(LlamaCppBackend, "forward", counted)
+    monkeypatch.setattr(FixedK, "pass_width", lambda self, positions: positions + 3)
+    engine = SpeculativeEngine(backend, drafters["chain"], k=4)
+    for prompt, reference in zip(prompts, references):
+        assert engine.generate(prompt, max_new_tokens=NEW_TOKENS).result().token_ids == reference
+    assert all(pad_to == n + 3 for n, pad_to in widths) and any(n > 1 for n, _ in widths)
+    keep = LlamaCppBackend.keep
+
+    def leaves_the_pads(self, kept):  # mutation: a pass whose inputs are all kept leaves its pad cells
+        self._padded = False
+        keep(self, kept)
+
+    monkeypatch.setattr(LlamaCppBackend, "keep", leaves_the_pads)
+    mutated = SpeculativeEngine(LlamaCppBackend(smol_gguf, threads=2), drafters["chain"], k=4)
+    with pytest.raises(BackendError, match="llama_decode failed"):  # llama.cpp refuses a position a pad cell holds
+        for prompt in prompts:
+            mutated.generate(prompt, max_new_tokens=NEW_TOKENS).result()
+
+
 def test_a_stale_cache_entry_is_caught(backend, prompts, references, drafters, monkeypatch):
     """Keeping one rejected token's cell (an off-by-one in llama_memory_seq_rm) must change the output."""
     keep_one_stale_entry(monkeypatch)

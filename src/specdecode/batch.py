@@ -163,6 +163,8 @@ class BatchEngine:
         self.chunks = ChunkSizer(prefill_chunk)
         self.adaptive = adaptive
         self.controller: Controller = AdaptiveK(max_k=k) if adaptive else FixedK()
+        if adaptive:
+            self.controller.pads = self.backend.pads_passes
         if drafter is not None:
             drafter.check_vocab(self.backend.vocab_size, tokenizer)
         # What the controller needs measured (passes by width, a draft token), at load instead of on a request's time
@@ -335,15 +337,19 @@ class BatchEngine:
         tokens, widths, offsets, visibility = pack(layouts)
         if reads and self.backend.pass_tokens is not None:
             reads = fit_reads(reads, self.backend.pass_tokens - sum(widths))
+        padded: dict[str, int] = {}
         if reads:
             logits, outcomes = self.backend.forward_reading([(r.reader, r.tokens) for r in reads], tokens, widths,
                                                             offsets, visibility)
             report.read_in_pass = sum(r.tokens.shape[1] for r in reads)
         else:
-            logits, outcomes = self.backend.forward(tokens, widths, offsets, visibility), []
+            width = self.controller.pass_width(sum(widths)) if len(self.rows) == 1 and self.backend.pads_passes else 0
+            padded = {"pad_to": width} if width > sum(widths) else {}
+            logits, outcomes = self.backend.forward(tokens, widths, offsets, visibility, **padded), []
         accepted = self._judge(layouts, drafts, logits)
         self.backend.keep([layout.kept_inputs(n, seq.leaf) for seq, layout, n in zip(self.rows, layouts, accepted)])
-        report.rows, report.width, report.verify_s = len(self.rows), tokens.shape[1], time.perf_counter() - t0
+        report.rows, report.verify_s = len(self.rows), time.perf_counter() - t0
+        report.width = padded.get("pad_to", tokens.shape[1])  # what the pass cost is that width's
         return accepted, outcomes, reads
 
     def _judge(self, layouts: list[TreeLayout], drafts: list[Draft], logits: torch.Tensor) -> list[int]:

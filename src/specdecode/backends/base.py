@@ -62,6 +62,9 @@ class Backend(ABC):
     # Its pass can also read prompt chunks of rows being read (forward_reading); False: the engine reads them alone.
     reads_in_pass: bool = False
     pass_tokens: int | None = None  # the most tokens one pass takes, rows' inputs and chunks together (None: no bound)
+    # `forward(..., pad_to=n)` runs a one-row pass at n positions, the extra ones asking for no logits and dropped at
+    # `keep`: where a wider pass measures cheaper (llama.cpp's matmuls run whole tiles of positions)
+    pads_passes: bool = False
 
     @property
     def near_tie_gap(self) -> float:

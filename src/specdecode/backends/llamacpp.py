@@ -192,6 +192,7 @@ class LlamaCppBackend(Backend):
     name = "llama.cpp"
     supports_tree = False
     reads_in_pass = True
+    pads_passes = True
 
     def __init__(self, gguf: str | Path | LlamaModel, threads: int | None = None, window: int = 4096, max_rows: int = 1,
                  max_pass: int = 512, prefix_cache: bool = True, spare_cells: int | None = None):
@@ -212,6 +213,7 @@ class LlamaCppBackend(Backend):
         self._reading: set[int] = set()  # sequence ids of rows being read (open_row), not yet joined
         self._tokens: list[list[int]] = []  # row -> the tokens its cells hold
         self._pending: list[list[int]] | None = None  # row -> its inputs in the pass not yet kept
+        self._padded = False  # the pending pass ran padded: its extra cells go at `keep`
 
     @property
     def near_tie_gap(self) -> float:
@@ -323,10 +325,18 @@ class LlamaCppBackend(Backend):
             raise
         return torch.from_numpy(out[-1:].copy())
 
-    def forward(self, tokens, widths, offsets=None, visibility=None):
+    def forward(self, tokens, widths, offsets=None, visibility=None, pad_to: int = 0):
         self.check_visibility(visibility)
         flat, positions, seqs = self._pass_inputs(tokens, widths, offsets)
-        out = self._decode(flat, positions, seqs, [True] * len(flat))
+        logits = [True] * len(flat)
+        extra = pad_to - len(flat)
+        if extra > 0:  # after the last row's inputs, its last token again: cells `keep` drops, no logits asked
+            if tokens.shape[0] != 1:
+                raise BackendError("only a one-row pass is padded")
+            self._padded = True
+            flat, seqs, logits = flat + [flat[-1]] * extra, seqs + [seqs[-1]] * extra, logits + [False] * extra
+            positions = positions + list(range(positions[-1] + 1, positions[-1] + 1 + extra))
+        out = self._decode(flat, positions, seqs, logits)
         return self._rows_logits(out, tokens.shape, widths)
 
     def forward_reading(self, reads, tokens, widths, offsets=None, visibility=None):
@@ -404,9 +414,9 @@ class LlamaCppBackend(Backend):
                 raise BackendError("the llama.cpp backend keeps a prefix of each row's pass (no tree leaves)")
             fed = self._pending[row]
             self._tokens[row] += fed[: len(inputs)]
-            if len(inputs) < len(fed):
+            if len(inputs) < len(fed) or self._padded:
                 self.context.forget(self._seqs[row], len(self._tokens[row]))
-        self._pending = None
+        self._pending, self._padded = None, False
 
     def truncate(self, row: int, length: int) -> None:
         if length < len(self._tokens[row]):

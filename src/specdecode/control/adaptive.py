@@ -82,6 +82,7 @@ class AdaptiveK:
         self.batch = BatchPolicy(self.measured, max_k, probe_every)
         self.rows = 1  # rows in the step being planned (a row's share of the pass)
         self.reading = 0  # prompt tokens the planned step's pass reads beside the rows (plan_step)
+        self.pads = False  # the backend runs a one-row pass wider where that measures cheaper (Backend.pads_passes)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
 
     @property
@@ -299,7 +300,7 @@ class AdaptiveK:
             return draft
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
-        verify = lambda positions: self.measured.costs.verify_time(positions, rows) / rows  # noqa: E731
+        verify = lambda positions: self.measured.costs.verify_time(self.pass_width(positions), rows) / rows  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
         for n, accepted in enumerate(expected, 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
@@ -317,6 +318,10 @@ class AdaptiveK:
             self.lookup_skips += 1
         draft.truncate(best_len)
         return draft
+
+    def pass_width(self, positions: int) -> int:
+        """The width to run this step's pass of `positions` at (one row alone, where the backend pads)."""
+        return self.measured.costs.cheapest_width(positions) if self.pads and self.rows == 1 else positions
 
     # --- what the engine measured --------------------------------------------------------------------
 

@@ -72,6 +72,9 @@ class Controller(Protocol):
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
         """Cut the drafts (in place) to what the plan's pricing says pays, now that their lengths are known."""
 
+    def pass_width(self, positions: int) -> int:
+        """The width to run a one-row pass of `positions` at, where the backend pads passes (wider: measured cheaper)."""
+
     def observe(self, outcome: StepOutcome) -> None:
         """Learn from one step."""
 
@@ -95,6 +98,9 @@ class FixedK:
 
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
         pass
+
+    def pass_width(self, positions: int) -> int:
+        return positions
 
     def observe(self, outcome: StepOutcome) -> None:
         pass
