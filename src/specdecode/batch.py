@@ -349,7 +349,7 @@ class BatchEngine:
         accepted = self._judge(layouts, drafts, logits)
         self.backend.keep([layout.kept_inputs(n, seq.leaf) for seq, layout, n in zip(self.rows, layouts, accepted)])
         report.rows, report.verify_s = len(self.rows), time.perf_counter() - t0
-        report.width = padded.get("pad_to", tokens.shape[1])  # what the pass cost is that width's
+        report.width = padded.get("pad_to", tokens.shape[1])  # a padded pass's time is its real width's
         return accepted, outcomes, reads
 
     def _judge(self, layouts: list[TreeLayout], drafts: list[Draft], logits: torch.Tensor) -> list[int]:
