@@ -300,7 +300,7 @@ class AdaptiveK:
             return draft
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
-        verify = lambda positions: self.measured.costs.verify_time(self.pass_width(positions), rows) / rows  # noqa: E731
+        verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
         for n, accepted in enumerate(expected, 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
@@ -321,7 +321,14 @@ class AdaptiveK:
 
     def pass_width(self, positions: int) -> int:
         """The width to run this step's pass of `positions` at (one row alone, where the backend pads)."""
-        return self.measured.costs.cheapest_width(positions) if self.pads and self.rows == 1 else positions
+        return self._pass(positions)[0]
+
+    def _pass(self, positions: int) -> tuple[int, float | None]:
+        """(width, seconds) of this step's pass of `positions` per row: padded where that measures cheaper."""
+        costs = self.measured.costs
+        if self.pads and self.rows == 1:
+            return costs.cheapest_pass(positions)
+        return positions, costs.verify_time(positions, self.rows)
 
     # --- what the engine measured --------------------------------------------------------------------
 

@@ -70,15 +70,17 @@ class CostModel:
         """The most tokens a measured pass scored (0: none yet)."""
         return max((n for n, e in self.verify_s.items() if e.value is not None), default=0)
 
-    def cheapest_width(self, positions: int) -> int:
-        """The width to run a one-row pass of `positions` at: a wider one measured cheaper, if any (padded: on the AMD
-        EPYC's llama.cpp a 64-wide pass costs 0.78x a 63-wide one, 32 0.92x 31, 16 0.83x 15); else `positions`. A
-        width not measured is priced by interpolation, which puts no wider pass below it: it pads once measured dear."""
+    def cheapest_pass(self, positions: int) -> tuple[int, float | None]:
+        """(width, seconds) to run a one-row pass of `positions` at: a wider one measured cheaper, if any (padded: on
+        the AMD EPYC's llama.cpp a 64-wide pass costs 0.78x a 63-wide one, 32 0.92x 31, 16 0.83x 15); else `positions`
+        at its own cost. A width not measured is priced by interpolation, which puts no wider pass below it: it pads
+        once measured dear."""
         own = self.verify_time(positions)
         if own is None:
-            return positions
+            return positions, None
         wider = [(e.value, n) for n, e in self.verify_s.items() if n > positions and e.value is not None and e.value < own]
-        return min(wider)[1] if wider else positions
+        seconds, width = min(wider, default=(own, positions))
+        return width, seconds
 
     def draft_time(self) -> float:
         """Seconds per drafted token of the costliest drafter seen (with several, the model one)."""
