@@ -160,19 +160,22 @@ def replay_request(machine: Machine, accept_by_position: list[float], *, prompt:
     return {"speedup": answer * machine.verify_s(1) / clock, "drafting_steps": drafting_steps}
 
 
-def replay_lookups(machine: Machine, *, answer: int, match_len, accept: float, seed: int = 0) -> dict:
+def replay_lookups(machine: Machine, *, answer: int, match_len, accept, seed: int = 0) -> dict:
     """One request whose every step offers an 8-token lookup draft (a suffix match of `match_len(tokens so far)`
-    tokens), each token right with probability `accept`, on a controller seeded as at load; the controller trims it
-    (AdaptiveK.trim) and the clock charges the pass it chose."""
+    tokens), each token right with probability `accept` (or `accept(tokens so far)`), on a controller seeded as at
+    load; the controller trims it (AdaptiveK.trim) and the clock charges the pass it chose. `verified_from`: the
+    tokens done when the first draft was verified, None if none was."""
     rng = random.Random(seed)
     ctl = AdaptiveK(max_k=8)
     seed_as_at_load(ctl, machine)
-    clock, done, verified = 0.0, 0, 0
+    clock, done, verified, verified_from = 0.0, 0, 0, None
     while done < answer:
-        match = match_len(done)
+        match, right = match_len(done), accept(done) if callable(accept) else accept
         draft = ctl.trim(Draft(torch.arange(8)[None], source="suffix", match_len=match))
+        if draft.length and verified_from is None:
+            verified_from = done
         accepted = 0
-        while accepted < draft.length and rng.random() < accept:
+        while accepted < draft.length and rng.random() < right:
             accepted += 1
         seconds = machine.verify_s(1 + draft.length)
         ctl.observe_pass(1 + draft.length, 1, seconds)
@@ -180,7 +183,7 @@ def replay_lookups(machine: Machine, *, answer: int, match_len, accept: float, s
         clock += seconds
         done += accepted + 1
         verified += draft.length
-    return {"speedup": done * machine.verify_s(1) / clock, "verified": verified}
+    return {"speedup": done * machine.verify_s(1) / clock, "verified": verified, "verified_from": verified_from}
 
 
 def traces() -> list[tuple[str, list[float]]]:

@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 import specdecode.control as control
-from replay import DRAFTING_PAYS, machines, replay, replay_lookups, replay_request, seed_as_at_load, traces
+from replay import DRAFTING_PAYS, Machine, machines, replay, replay_lookups, replay_request, seed_as_at_load, traces
 
 MACHINES = machines()
 
@@ -102,6 +102,30 @@ def test_short_lookups_on_fresh_text_cost_little(machine):
     function: such lookups were right 24 % of the time). What the request loses to plain decoding is each match
     class's first bet (priors near 0.5: on code edits they pay) and the probes: at most 4 % on every curve."""
     assert replay_lookups(machine, **FRESH_TEXT)["speedup"] >= 0.96
+
+
+# llama.cpp's Q4_K_M 1.5B on the AVX-512 EPYC at a 200-token context, logits at every position (ms,
+# scripts/llama-pass-costs.py, session 24): a 2-wide pass costs 1.8 plain ones, so a 1-token draft pays only if it is
+# right ~90 % of the time, far above what short matches reach (0.24 on fresh code, 0.40-0.48 on code edits).
+EPYC_LLAMA_200 = Machine("avx512_epyc/llama.cpp every position, 200-token context",
+                         {1: 35, 2: 63, 4: 110, 8: 250, 12: 320, 16: 305, 20: 415, 24: 454, 32: 540, 48: 790, 64: 860},
+                         draft_ms=20.0, draft_read_ms=6.0, leaves=0)
+
+
+def test_fresh_text_costs_nothing_where_short_matches_cannot_pay():
+    """`make demo` there: short lookups never verified, not even as probes (two probes cost 2 % of its answer)."""
+    run = replay_lookups(EPYC_LLAMA_200, **FRESH_TEXT)
+    assert run["verified"] == 0 and run["speedup"] == pytest.approx(1.0), run
+
+
+@pytest.mark.parametrize("machine", MACHINES + [EPYC_LLAMA_200], ids=lambda m: m.name)
+def test_a_copy_held_down_by_rejections_is_probed_again(machine):
+    """Long matches all wrong for 40 tokens (the answer left the copy, and each rejection lowered the class), then
+    right again: probes find it, and the copy is drafted again well before the answer ends."""
+    run = replay_lookups(machine, answer=400, match_len=lambda done: 20 + done,
+                         accept=lambda done: 0.0 if done < 40 else 0.97)
+    assert run["verified_from"] is not None and run["verified_from"] < 40, run  # the prior bets first
+    assert run["speedup"] > 1.1, run
 
 
 def test_the_lookup_replay_catches_priors_that_bet_harder(monkeypatch):

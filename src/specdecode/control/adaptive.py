@@ -301,17 +301,26 @@ class AdaptiveK:
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
-        best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
-        for n, accepted in enumerate(expected, 1):
-            rate = (1 + accepted) / max(verify(width[n]), 1e-9)
-            if rate > best_rate:
-                best_len, best_rate = n, rate
+
+        def best_length(expected: list[float]) -> int:
+            best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
+            for n, accepted in enumerate(expected, 1):
+                rate = (1 + accepted) / max(verify(width[n]), 1e-9)
+                if rate > best_rate:
+                    best_len, best_rate = n, rate
+            return best_len
+
+        best_len = best_length(expected)
         widest = self.measured.costs.widest()
         if rows == 1 and width[best_len] == widest and draft.length > best_len:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
-        if best_len == 0 and self.lookup_skips >= self.lookup_probe_interval:  # probe now and then, less while they lose
+        # Probe now and then, less while probes lose, and only a draft whose class could be shown to pay: one that
+        # would, from its prior, after a run of probes all right. Short matches (~0.5) cannot where a 2-wide pass
+        # costs ~1.8 plain ones (llama.cpp, AVX-512 EPYC), and there such probes cost 2 % of a fresh answer.
+        if (best_len == 0 and self.lookup_skips >= self.lookup_probe_interval
+                and best_length(self.measured.expected_after_probes(draft.length, draft.match_len))):
             best_len, self.lookup_skips = 1, 0
             self.lookup_probe_interval = min(2 * self.lookup_probe_interval, priors.MAX_PROBE_INTERVAL)
         elif best_len == 0:

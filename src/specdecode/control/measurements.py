@@ -55,12 +55,17 @@ class Measurements:
         """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (a lookup), from the
         measured acceptance of drafts from that source with a match of about that length."""
         first, later = self.lookup_rates(source, match_len)
-        expected, survive, total = [], first.value, 0.0
-        for _ in range(length):
-            total += survive
-            expected.append(total)
-            survive *= later.value
-        return expected
+        return _expected(first.value, later.value, length)
+
+    @staticmethod
+    def expected_after_probes(length: int, match_len: int) -> list[float]:
+        """expected_accepted for a lookup draft whose class stood at its prior and then had PROBE_RUN probes in a row
+        right: the most that probing it could show."""
+        prior = priors.POSITION_ACCEPT_BY_MATCH[match_class(match_len)]
+        first = Ema(priors.EMA_ALPHA, prior)
+        for _ in range(priors.PROBE_RUN):
+            first.update(1.0)
+        return _expected(first.value, prior, length)
 
     def lookup_rates(self, source: str, match_len: int) -> tuple[Ema, CopyRate]:
         """The first token's rate and the later tokens', both starting from the match class's prior: a later position
@@ -86,3 +91,14 @@ class Measurements:
         first.update(1.0 if accepted else 0.0)
         if accepted:
             later.update(accepted - 1, 1 if accepted < drafted else 0)
+
+
+def _expected(first: float, later: float, length: int) -> list[float]:
+    """[n - 1]: expected accepted tokens of a draft's first n tokens, the first right with probability `first` and each
+    later one, given the ones before it, with `later`."""
+    expected, survive, total = [], first, 0.0
+    for _ in range(length):
+        total += survive
+        expected.append(total)
+        survive *= later
+    return expected
