@@ -493,6 +493,44 @@ def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
     assert short.source == "suffix" and short.match_len == 20 and short.tokens[0].tolist()[:8] == text[20:28]
 
 
+def test_a_rerun_after_forget_last_request_drafts_as_the_first_run_did():
+    """A benchmark's repeat (or `generate --compare`) reruns a request: the suffix drafter must not copy the earlier
+    run's answer, from its tree of earlier answers or from its chains, and what requests before it taught stays."""
+    earlier, prompt = (random_prompt(seed, 60, vocab=5000)[0].tolist() for seed in (7, 8))
+    answer = earlier[:40] + random_prompt(9, 50, vocab=5000)[0].tolist()  # copies an earlier request, then new text
+
+    def run(drafter) -> list:
+        drafter.begin(torch.tensor([prompt]))
+        drafts = []
+        for n in range(len(answer)):
+            ids = torch.tensor([prompt + answer[:n]])
+            drafter.commit(ids)
+            draft = drafter.propose_free(ids, 63)
+            drafts.append((draft.source, draft.match_len, draft.tokens[0].tolist()))
+        drafter.commit(torch.tensor([prompt + answer]))
+        drafter.reset()
+        return drafts
+
+    def root_after_earlier_request() -> SuffixDrafter:
+        root = SuffixDrafter(chains=ContextChains(context=4, shortest=8, longest=16))
+        root.begin(torch.tensor([earlier]))
+        root.commit(torch.tensor([earlier + earlier[:5]]))
+        root.reset()
+        return root
+
+    root = root_after_earlier_request()
+    first = run(root)
+    assert any(source == "suffix/chain" for source, *_ in first)  # the earlier request's text chains
+    root.forget_last_request()
+    assert run(root) == first
+    assert run(root) != first  # a rerun that remembers copies the first run's answer (tree and chains)
+    root = root_after_earlier_request()
+    twin = root.spawn()  # another drafter of the same root (a server's next row) shares what it learns
+    assert run(twin) == first
+    root.forget_last_request()  # only its own last request: the twin's stays
+    assert run(root) != first
+
+
 def test_a_pass_measured_dearer_than_a_wider_one_runs_padded():
     """Where the backend pads passes, a width measured dearer than a wider one is run (and priced) at the wider one
     (AMD EPYC llama.cpp at a 1,150-token context: 58 positions 1,113 ms, 64 972); one not measured is not padded (the

@@ -56,6 +56,7 @@ def test_cli_generate_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == out["stats"]["new_tokens"] <= 12
     assert out["token_ids"] == out["plain"]["token_ids"]
+    assert len(out["compare"]["speedups"]) == 3 and all(x > 0 for x in out["compare"]["speedups"])
     assert out["stats"]["acceptance_rate"] == 1.0 and out["text"]
 
 

@@ -46,6 +46,9 @@ class Method:
     def run(self, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams) -> Run:
         raise NotImplementedError
 
+    def forget_last_run(self) -> None:
+        """Before a repeat of the same prompt (and after the warm-up): nothing the last run taught carries over."""
+
 
 class OursMethod(Method):
     kind = "ours"
@@ -54,6 +57,10 @@ class OursMethod(Method):
         self.name, self.eos = name, eos
         self.engine = SpeculativeEngine(target, drafter, tokenizer=tokenizer, k=k, adaptive=adaptive)
         self.settings = dict(drafter=drafter.name if drafter else None, k=k if drafter else None, adaptive=adaptive)
+
+    def forget_last_run(self) -> None:
+        if self.engine.drafter is not None:  # a lookup drafter would copy the earlier run's answer
+            self.engine.drafter.forget_last_request()
 
     def run(self, input_ids, max_new_tokens, sampling):
         self.engine.backend.drop_cached_prefixes()  # every method starts each prompt cold

@@ -85,6 +85,7 @@ def run_bench(methods: list[Method], prompts: list[Prompt], encode, config: Benc
         warm = encode(prompts[0].text)
         for method in methods:
             method.run(warm, 4, config.sampling)
+            method.forget_last_run()
     rows = []
     for i, prompt in enumerate(prompts):
         input_ids = encode(prompt.text)
@@ -93,6 +94,8 @@ def run_bench(methods: list[Method], prompts: list[Prompt], encode, config: Benc
             # interleaved, every other round in reverse order: every method sees the same machine state, and none
             # is always the first after a change of prompt
             for method in (methods if (i + r) % 2 == 0 else methods[::-1]):
+                if r:
+                    method.forget_last_run()
                 per_method[method.name].append(_row(prompt, method, method.run(input_ids, config.max_new_tokens, config.sampling), r))
                 if progress:
                     progress()

@@ -112,12 +112,12 @@ class CostModel:
         free up to ~9 tokens on a CPU, and a flat extrapolation to an 8-row x 9-position pass would price it at a plain
         one (calibrate measures up to the widest pass the engine runs, so this is a fallback)."""
         positions *= rows
+        own = self.verify_s.get(positions)
+        if own is not None and own.value is not None:
+            return own.value
         known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
         if not known:
             return None
-        for n, t in known:
-            if n == positions:
-                return t
         below = [(n, t) for n, t in known if n < positions]
         above = [(n, t) for n, t in known if n > positions]
         if below and above:

@@ -111,6 +111,10 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget the previous sequence."""
 
+    def forget_last_request(self) -> None:
+        """Take back what the last sequence taught this drafter for later ones (a suffix drafter's earlier answers),
+        so that a rerun of the same request drafts as the first run did (a benchmark's repeats)."""
+
     def begin(self, prompt_ids: torch.Tensor) -> None:
         """A new sequence starts from this prompt [1, L] (after `reset`; no model pass: see `prefill`)."""
 

@@ -31,6 +31,10 @@ class ComboDrafter(Drafter):
         self.model.reset()
         self.lookup.reset()
 
+    def forget_last_request(self) -> None:
+        self.model.forget_last_request()
+        self.lookup.forget_last_request()
+
     def begin(self, prompt_ids) -> None:
         self.lookup.begin(prompt_ids)
 

@@ -93,6 +93,8 @@ class ModelDrafter(Drafter):
         self._read(prompt_ids)
 
     def commit(self, input_ids: torch.Tensor) -> None:
+        if not self.cached_ids.shape[1]:  # nothing read (its drafts are off): nothing to roll back
+            return
         keep = common_prefix(self.cached_ids[0], input_ids[0].cpu())
         if keep < self.cached_ids.shape[1]:
             if keep == 0:

@@ -70,15 +70,27 @@ class ContextChains:
         self.context, self.shortest, self.longest, self.capacity = context, shortest, longest, capacity
         self.next: OrderedDict[bytes, int] = OrderedDict()
 
-    def add(self, tokens: np.ndarray, first: int) -> None:
-        """Record the context before each of tokens[first:] with the token that followed it."""
+    def add(self, tokens: np.ndarray, first: int, undo: list | None = None) -> None:
+        """Record the context before each of tokens[first:] with the token that followed it; `undo` collects
+        (context, what it held before) for `forget`."""
         n, tokens = self.context, np.asarray(tokens, dtype=np.int32)
         for end in range(max(first, n), len(tokens)):
             key = tokens[end - n : end].tobytes()
-            self.next.pop(key, None)  # re-inserted: the newest, last to be dropped
+            before = self.next.pop(key, None)  # re-inserted: the newest, last to be dropped
             self.next[key] = int(tokens[end])
+            if undo is not None:
+                undo.append((key, before))
         while len(self.next) > self.capacity:
             self.next.popitem(last=False)
+
+    def forget(self, undo: list) -> None:
+        """Take back the contexts `add` recorded into `undo` (latest first)."""
+        for key, before in reversed(undo):
+            if before is None:
+                self.next.pop(key, None)
+            else:
+                self.next[key] = before
+        undo.clear()
 
     def follow(self, tail: np.ndarray, k: int) -> list[int]:
         """The chain after the text's last `context` tokens (`tail`), at most min(k, longest) tokens; [] where it
@@ -111,6 +123,8 @@ class SuffixDrafter(Drafter):
         self.alternatives, self.min_token_prob = alternatives, min_token_prob
         self.request = None  # this drafter's request id in the cache (None: no sequence started)
         self.seen = 0  # committed tokens the cache holds for it
+        self.last_request = None  # the request it drafted last, and the chain contexts that request recorded
+        self.recorded: list = []
 
     def spawn(self) -> "SuffixDrafter":
         return SuffixDrafter(self.cache, self.alternatives, self.min_token_prob, self.chains)
@@ -122,11 +136,19 @@ class SuffixDrafter(Drafter):
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         self.reset()
-        self.request = next(_request_ids)
+        self.request = self.last_request = next(_request_ids)
+        self.recorded = []
         prompt = _int32(prompt_ids[0])
         self.cache.start_request(self.request, prompt)
-        self.chains.add(prompt, 0)
+        self.chains.add(prompt, 0, self.recorded)
         self.seen = prompt_ids.shape[1]
+
+    def forget_last_request(self) -> None:
+        self.reset()
+        if self.last_request in self.cache.cached_requests:
+            self.cache.evict_cached_response(self.last_request)
+        self.chains.forget(self.recorded)
+        self.last_request = None
 
     def commit(self, input_ids: torch.Tensor) -> None:
         if self.request is None:
@@ -134,7 +156,7 @@ class SuffixDrafter(Drafter):
         elif input_ids.shape[1] > self.seen:
             self.cache.add_active_response(self.request, _int32(input_ids[0, self.seen :]))
             start = max(0, self.seen - self.chains.context)  # the new tokens with the context before them
-            self.chains.add(_int32(input_ids[0, start:]), self.seen - start)
+            self.chains.add(_int32(input_ids[0, start:]), self.seen - start, self.recorded)
             self.seen = input_ids.shape[1]
 
     def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
