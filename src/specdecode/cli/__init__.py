@@ -54,7 +54,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
         help="comma-separated: plain, spec[:DRAFTER[:K|aK]], hf-greedy, hf-assisted, hf-pld (see specdecode.bench.methods); "
         "plain `spec` is the --draft/--k/--adaptive setting (or the --config file's)",
     )
-    b.add_argument("--repeat", type=int, default=1, help="runs per prompt and method; the median is kept")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="runs per prompt and method; the median is kept (a rerun's drafter forgets the earlier runs)")
     b.add_argument("--out", default="bench-out", help="output directory")
     b.add_argument("--no-chat", action="store_true", help="feed prompts as raw text instead of through the chat template")
     b.add_argument("--endpoint", action="append", default=[], metavar="[LABEL=]URL",
