@@ -26,7 +26,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     g.add_argument("--plain", action="store_true", help="plain decoding (no drafter): the baseline")
-    g.add_argument("--compare", action="store_true", help="also time plain decoding (alternating pairs) and print the median speedup")
+    g.add_argument("--compare", action="store_true",
+                   help="also time plain decoding (alternating pairs) and print the median speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate, **(config or {}))
