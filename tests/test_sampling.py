@@ -2,12 +2,13 @@
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import specdecode.sampling as sampling_module
 from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
 from specdecode.batch import BatchEngine
 from specdecode.sampling import logits_to_probs
-from specdecode.verify import argmax, speculative_accept
+from specdecode.verify import argmax, greedy_verdicts, speculative_accept
 from stats_check import fit
 from tiny import random_prompt, tiny_model
 
@@ -321,3 +322,27 @@ def test_suffix_drafts_keep_the_target_distribution(small_vocab_pair, monkeypatc
     assert_drafts_reached_the_second_position(stats)
     assert any("suffix/chain" in s.by_source for s in stats) == chained
     assert_lossless(check_results(generated, target, prompt, params), lossless=lossless)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_greedy_verdicts_on_the_cpu_equal_the_batched_rule(data):
+    """The CPU path (numpy's argmax, Python compares) and the batched tensor rule (any other device or dtype) give
+    the same accepted lengths and next tokens as the rule written out, for drafts of different lengths that match
+    the target's argmax for a while."""
+    rows, vocab = data.draw(st.integers(1, 4)), data.draw(st.integers(2, 6))
+    lengths = data.draw(st.lists(st.integers(0, 5), min_size=rows, max_size=rows))
+    width = max(lengths) + 1
+    logits = torch.randn(rows, width, vocab, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 999))))
+    target = logits.argmax(-1)
+    drafts = []
+    for row, length in enumerate(lengths):
+        right = data.draw(st.integers(0, length))  # the first `right` tokens match; the next one, if any, differs
+        draft = target[row, :length].clone()
+        if right < length:
+            draft[right] = (draft[right] + data.draw(st.integers(1, vocab - 1))) % vocab
+        drafts.append(draft)
+    expected_lens = [next((n for n in range(len(d)) if d[n] != target[r, n]), len(d)) for r, d in enumerate(drafts)]
+    expected = (expected_lens, [int(target[r, n]) for r, n in enumerate(expected_lens)])
+    assert greedy_verdicts(drafts, logits) == expected
+    assert greedy_verdicts(drafts, logits.double()) == expected  # not CPU fp32: the batched rule

@@ -31,7 +31,7 @@ from .sequence import Sequence, check_draft_length, validate_request
 from .stats import count_positions
 from .stopping import StopCondition
 from .tree import TreeLayout, pack
-from .verify import greedy_accept
+from .verify import greedy_verdicts
 
 
 # Prompt tokens read per step while other rows decode: their next token waits for this chunk's reading. The least
@@ -361,13 +361,9 @@ class BatchEngine:
         accepted = [0] * len(self.rows)
         if together:
             k = max(drafts[i].length for i in together)
-            tokens = torch.zeros(len(together), k, dtype=torch.long)  # drafts padded to the longest
-            for j, i in enumerate(together):
-                tokens[j, : drafts[i].length] = drafts[i].tokens[0]
-            lengths = torch.tensor([drafts[i].length for i in together])
             rows = logits[:, : k + 1] if len(together) == len(self.rows) else logits[together, : k + 1]
-            lens, nexts = greedy_accept(tokens.to(rows.device), rows, lengths.to(rows.device))
-            for i, n, token in zip(together, lens.tolist(), nexts.tolist()):
+            lens, nexts = greedy_verdicts([drafts[i].tokens[0] for i in together], rows)
+            for i, n, token in zip(together, lens, nexts):
                 accepted[i] = self.rows[i].commit(drafts[i], n, token)
         for i in sorted(set(range(len(self.rows))) - set(together)):  # draws and log-probabilities are made on the CPU
             layout = layouts[i]

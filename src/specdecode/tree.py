@@ -25,7 +25,11 @@ class TreeLayout:
     def __init__(self, last: torch.Tensor, chain: torch.Tensor, alternatives: torch.Tensor | None):
         """last [1, 1], chain [1, n], alternatives [1, n, m] (-1: no leaf there; None: a plain chain)."""
         self.n = chain.shape[1]
-        alternatives = alternatives[0, : self.n] if alternatives is not None and self.n else torch.empty(0, 0, dtype=torch.long)
+        if alternatives is None or not self.n:  # a plain chain (most steps: few small ops, each dear on a CPU)
+            self.leaves, self._index = [], {}
+            self.tokens = torch.cat([last, chain], dim=1)  # [1, W]
+            return
+        alternatives = alternatives[0, : self.n]
         self.leaves = [(j, r) for j, r in (alternatives >= 0).nonzero().tolist()]  # (position, rank), in input order
         self._index = {leaf: 1 + self.n + i for i, leaf in enumerate(self.leaves)}
         leaf_tokens = torch.tensor([[int(alternatives[j, r]) for j, r in self.leaves]], dtype=torch.long)
@@ -77,8 +81,10 @@ def pack(trees: list[TreeLayout]) -> tuple[torch.Tensor, list[int], torch.Tensor
     for i, tree in enumerate(trees):
         n = tree.width
         tokens[i, :n] = tree.tokens[0]
-        tokens[i, n:] = tokens[i, 0]  # padding: any token, never read
-        offsets[i, :n] = tree.offsets
+        if n < W:
+            tokens[i, n:] = tokens[i, 0]  # padding: any token, never read
+        if tree.leaves:  # a chain's offsets are 0..n-1 already
+            offsets[i, :n] = tree.offsets
         if visibility is not None:
             visibility[i, :n, :n] = tree.visibility
     return tokens, widths, offsets, visibility
