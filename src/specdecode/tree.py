@@ -70,14 +70,17 @@ class TreeLayout:
         return chain, {leaf: logits[:, self._index[leaf]] for leaf in self.leaves}
 
 
-def pack(trees: list[TreeLayout]) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor | None]:
+def pack(trees: list[TreeLayout]) -> tuple[torch.Tensor, list[int], torch.Tensor | None, torch.Tensor | None]:
     """Rows' layouts -> one pass's inputs: tokens [B, W] (padded with each row's [last]), widths, offsets [B, W]
-    and visibility [B, W, W] (None when every row is a plain chain: causal attention is the same)."""
+    and visibility [B, W, W] (both None when every row is a plain chain: positions 0..W-1 and causal attention)."""
     widths = [tree.width for tree in trees]
+    leaves = any(tree.leaves for tree in trees)
+    if len(trees) == 1 and not leaves:  # one plain chain (most steps on one request): its tokens as they are
+        return trees[0].tokens, widths, None, None
     B, W = len(trees), max(widths)
     tokens = torch.zeros(B, W, dtype=torch.long)
-    offsets = torch.arange(W).repeat(B, 1)
-    visibility = torch.zeros(B, W, W, dtype=torch.bool) if any(tree.leaves for tree in trees) else None
+    offsets = torch.arange(W).repeat(B, 1) if leaves else None
+    visibility = torch.zeros(B, W, W, dtype=torch.bool) if leaves else None
     for i, tree in enumerate(trees):
         n = tree.width
         tokens[i, :n] = tree.tokens[0]

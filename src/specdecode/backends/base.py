@@ -149,8 +149,8 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """One pass over all rows. tokens [B, W] (row b's inputs are its first widths[b]; the rest is padding),
         offsets [B, W] (default: 0..W-1), visibility [B, W, W] bool (default: causal). Returns fp32 logits [B, W, V]
-        where the model runs (`device`): the engine judges greedy rows there and moves only their [B] verdicts. The
-        pass's K/V stay pending until `keep`."""
+        where the model runs (`device`): the engine judges greedy rows there and moves only their [B] verdicts. They may
+        be the backend's own buffer, valid until its next pass (llama.cpp's). The pass's K/V stay pending until `keep`."""
 
     def forward_reading(
         self, reads: list[tuple["RowReader", torch.Tensor]], tokens: torch.Tensor, widths: list[int],

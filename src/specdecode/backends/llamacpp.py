@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Backend, BackendError, RowReader, chain_offsets, read_each
+from .base import Backend, BackendError, RowReader, read_each
 from .llamaguard import vet
 from .llamaprobe import buffer_types
 from .prefix import PrefixCache
@@ -123,6 +123,7 @@ class Context:
         self.memory = lib.llama_get_memory(self.ctx)
         self.n_batch, self.cells = params.n_batch, params.n_ctx  # cells asked for: the rows' windows and the spares'
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
+        self._views: dict[tuple[int, int], np.ndarray] = {}
 
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> np.ndarray:
         """One llama_decode over these tokens -> the logits of those flagged, in order [n_flagged, V] (a view
@@ -143,7 +144,18 @@ class Context:
         flagged = sum(logits)
         if not flagged:
             return np.empty((0, self.model.vocab_size), dtype=np.float32)
-        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(flagged, self.model.vocab_size))
+        return self._logits_view(flagged)
+
+    def _logits_view(self, rows: int) -> np.ndarray:
+        """[rows, V] over llama.cpp's logits buffer. Views are kept by address: making one costs ~50 us a pass."""
+        address = ctypes.cast(self.lib.llama_get_logits(self.ctx), ctypes.c_void_p).value
+        view = self._views.get((address, rows))
+        if view is None:
+            if len(self._views) > 64:  # the buffer moved (it grows with the widest pass)
+                self._views.clear()
+            view = np.ctypeslib.as_array((ctypes.c_float * (rows * self.model.vocab_size)).from_address(address))
+            view = self._views[(address, rows)] = view.reshape(rows, self.model.vocab_size)
+        return view
 
     def forget(self, seq: int, start: int = -1) -> None:
         """Drop the sequence's cells from position `start` on (-1: all of them)."""
@@ -385,22 +397,20 @@ class LlamaCppBackend(Backend):
     def _pass_inputs(self, tokens, widths, offsets) -> tuple[list[int], list[int], list[int]]:
         """The rows' inputs of a pass as a llama_batch takes them (tokens, positions, sequence ids); each row's
         inputs stay pending until `keep`."""
-        B, W = tokens.shape
-        offsets = chain_offsets(B, W) if offsets is None else offsets
         flat_tokens, positions, seqs, pending = [], [], [], []
-        for row in range(B):
-            n = widths[row]
-            pending.append(tokens[row, :n].tolist())
+        for row, inputs in enumerate(tokens.tolist()):
+            n, start = widths[row], len(self._tokens[row])
+            pending.append(inputs[:n])
             flat_tokens += pending[-1]
-            positions += (len(self._tokens[row]) + offsets[row, :n]).tolist()
+            positions += range(start, start + n) if offsets is None else (start + offsets[row, :n]).tolist()
             seqs += [self._seqs[row]] * n
         self._pending = pending
         return flat_tokens, positions, seqs
 
     def _rows_logits(self, out: np.ndarray, shape: torch.Size, widths: list[int]) -> torch.Tensor:
         B, W = shape
-        if B == 1 and widths[0] == W:  # no padding to fill: one copy out of llama.cpp's buffer
-            return torch.from_numpy(out.copy()).view(1, W, self.vocab_size)
+        if B == 1 and widths[0] == W:  # no padding to fill: llama.cpp's buffer itself, valid until the next pass
+            return torch.from_numpy(out).view(1, W, self.vocab_size)
         logits = torch.zeros(B, W, self.vocab_size)
         start = 0
         for row in range(B):

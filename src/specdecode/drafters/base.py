@@ -43,7 +43,12 @@ class Draft:
 
     @staticmethod
     def empty(batch: int = 1, device: torch.device | str = "cpu") -> "Draft":
+        if batch == 1 and str(device) == "cpu":
+            return Draft(_NO_TOKENS)  # a plain step's draft: one shared empty tensor (it holds nothing to change)
         return Draft(torch.empty(batch, 0, dtype=torch.long, device=device))
+
+
+_NO_TOKENS = torch.empty(1, 0, dtype=torch.long)
 
 
 def draw(logits: torch.Tensor, sampling: SamplingParams, draws, position: int) -> tuple[torch.Tensor, torch.Tensor]:
