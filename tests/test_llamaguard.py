@@ -104,8 +104,8 @@ def test_amx_kernels_are_as_accurate_as_the_plain_ones(monkeypatch, fresh_cache)
         assert ("AMX" in model.buffer_types) is (extra == "1")
         ctx = Context(model, threads=2, window=64, max_rows=1, max_pass=len(tokens))
         if one_by_one:
-            return np.stack([ctx.decode([t], [i], [0], [True])[0].copy() for i, t in enumerate(tokens)])
-        return ctx.decode(tokens, list(range(len(tokens))), [0] * len(tokens), [True] * len(tokens)).copy()
+            return np.stack([ctx.decode([t], [i], [0], [True])[0].numpy().copy() for i, t in enumerate(tokens)])
+        return ctx.decode(tokens, list(range(len(tokens))), [0] * len(tokens), [True] * len(tokens)).numpy().copy()
 
     plain_model = LlamaModel(SMOL)
     text = SpeculativeEngine(LlamaCppBackend(plain_model, threads=2), None).generate(torch.tensor([prompt]), max_new_tokens=24)

@@ -344,5 +344,6 @@ def test_greedy_verdicts_on_the_cpu_equal_the_batched_rule(data):
         drafts.append(draft)
     expected_lens = [next((n for n in range(len(d)) if d[n] != target[r, n]), len(d)) for r, d in enumerate(drafts)]
     expected = (expected_lens, [int(target[r, n]) for r, n in enumerate(expected_lens)])
-    assert greedy_verdicts(drafts, logits) == expected
-    assert greedy_verdicts(drafts, logits.double()) == expected  # not CPU fp32: the batched rule
+    rows_drafts = [draft[None] for draft in drafts]  # [1, n] each, as drafts carry them
+    assert greedy_verdicts(rows_drafts, logits) == expected
+    assert greedy_verdicts(rows_drafts, logits.double()) == expected  # not CPU fp32: the batched rule

@@ -362,7 +362,7 @@ class BatchEngine:
         if together:
             k = max(drafts[i].length for i in together)
             rows = logits[:, : k + 1] if len(together) == len(self.rows) else logits[together, : k + 1]
-            lens, nexts = greedy_verdicts([drafts[i].tokens[0] for i in together], rows)
+            lens, nexts = greedy_verdicts([drafts[i].tokens for i in together], rows)
             for i, n, token in zip(together, lens, nexts):
                 accepted[i] = self.rows[i].commit(drafts[i], n, token)
         for i in sorted(set(range(len(self.rows))) - set(together)):  # draws and log-probabilities are made on the CPU

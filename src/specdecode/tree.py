@@ -27,7 +27,7 @@ class TreeLayout:
         self.n = chain.shape[1]
         if alternatives is None or not self.n:  # a plain chain (most steps: few small ops, each dear on a CPU)
             self.leaves, self._index = [], {}
-            self.tokens = torch.cat([last, chain], dim=1)  # [1, W]
+            self.tokens = torch.cat([last, chain], dim=1) if self.n else last  # [1, W]
             return
         alternatives = alternatives[0, : self.n]
         self.leaves = [(j, r) for j, r in (alternatives >= 0).nonzero().tolist()]  # (position, rank), in input order

@@ -26,7 +26,7 @@ def _on_numpy(x: torch.Tensor) -> bool:
 
 
 def greedy_verdicts(drafts: list[torch.Tensor], target_logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """greedy_accept for rows whose drafts [n_b] differ in length, logits [B, max n_b + 1, V] where the model ran:
+    """greedy_accept for rows whose drafts [1, n_b] differ in length, logits [B, max n_b + 1, V] where the model ran:
     (accepted lengths, next tokens) as ints. On the CPU in plain Python over numpy's argmax: right after a pass over
     the weights every small op runs with cold caches, and the batched rule's dozen tensor ops cost ~0.24 ms a step
     there (AMD EPYC, llama.cpp backend; ~0.05 ms warm). Elsewhere one batched greedy_accept where the model ran, and
@@ -36,18 +36,18 @@ def greedy_verdicts(drafts: list[torch.Tensor], target_logits: torch.Tensor) -> 
         lens, nexts = [], []
         for draft, wanted in zip(drafts, target):
             n = 0
-            for token in draft.tolist():
+            for token in draft.tolist()[0]:
                 if token != wanted[n]:
                     break
                 n += 1
             lens.append(n)
             nexts.append(wanted[n])
         return lens, nexts
-    k = max(draft.shape[0] for draft in drafts)
+    k = max(draft.shape[1] for draft in drafts)
     tokens = torch.zeros(len(drafts), k, dtype=torch.long)  # drafts padded to the longest
     for row, draft in enumerate(drafts):
-        tokens[row, : draft.shape[0]] = draft
-    lengths = torch.tensor([draft.shape[0] for draft in drafts])
+        tokens[row, : draft.shape[1]] = draft[0]
+    lengths = torch.tensor([draft.shape[1] for draft in drafts])
     device = target_logits.device
     lens, nexts = greedy_accept(tokens.to(device), target_logits, lengths.to(device))
     return lens.tolist(), nexts.tolist()

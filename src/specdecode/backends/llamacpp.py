@@ -123,9 +123,9 @@ class Context:
         self.memory = lib.llama_get_memory(self.ctx)
         self.n_batch, self.cells = params.n_batch, params.n_ctx  # cells asked for: the rows' windows and the spares'
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        self._views: dict[tuple[int, int], np.ndarray] = {}
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
-    def decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> np.ndarray:
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> torch.Tensor:
         """One llama_decode over these tokens -> the logits of those flagged, in order [n_flagged, V] (a view
         into llama.cpp's buffer, valid until the next decode)."""
         n = len(tokens)
@@ -143,18 +143,18 @@ class Context:
             raise BackendError(f"llama_decode failed ({status})")
         flagged = sum(logits)
         if not flagged:
-            return np.empty((0, self.model.vocab_size), dtype=np.float32)
+            return torch.empty(0, self.model.vocab_size)
         return self._logits_view(flagged)
 
-    def _logits_view(self, rows: int) -> np.ndarray:
-        """[rows, V] over llama.cpp's logits buffer. Views are kept by address: making one costs ~50 us a pass."""
+    def _logits_view(self, rows: int) -> torch.Tensor:
+        """[rows, V] over llama.cpp's logits buffer. Views are kept by address: making one costs ~50-100 us."""
         address = ctypes.cast(self.lib.llama_get_logits(self.ctx), ctypes.c_void_p).value
         view = self._views.get((address, rows))
         if view is None:
             if len(self._views) > 64:  # the buffer moved (it grows with the widest pass)
                 self._views.clear()
-            view = np.ctypeslib.as_array((ctypes.c_float * (rows * self.model.vocab_size)).from_address(address))
-            view = self._views[(address, rows)] = view.reshape(rows, self.model.vocab_size)
+            array = np.ctypeslib.as_array((ctypes.c_float * (rows * self.model.vocab_size)).from_address(address))
+            view = self._views[(address, rows)] = torch.from_numpy(array).view(rows, self.model.vocab_size)
         return view
 
     def forget(self, seq: int, start: int = -1) -> None:
@@ -302,7 +302,7 @@ class LlamaCppBackend(Backend):
         for freed in self.prefix_cache.add(seq, tokens):
             self.context.forget(freed)
 
-    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> np.ndarray:
+    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> torch.Tensor:
         """A decode for which spares give up their cells, least recently used first, when it finds none free."""
         while True:
             try:
@@ -335,7 +335,7 @@ class LlamaCppBackend(Backend):
         except Exception:
             self.context.forget(seq, start)
             raise
-        return torch.from_numpy(out[-1:].copy())
+        return out[-1:].clone()
 
     def forward(self, tokens, widths, offsets=None, visibility=None, pad_to: int = 0):
         self.check_visibility(visibility)
@@ -391,7 +391,7 @@ class LlamaCppBackend(Backend):
             return self.forward(tokens, widths, offsets), outcomes
         for j, (i, reader, new) in enumerate(fused):
             reader.tokens += new
-            outcomes[i] = torch.from_numpy(out[rows_part + j : rows_part + j + 1].copy())
+            outcomes[i] = out[rows_part + j : rows_part + j + 1].clone()
         return self._rows_logits(out[:rows_part], tokens.shape, widths), outcomes
 
     def _pass_inputs(self, tokens, widths, offsets) -> tuple[list[int], list[int], list[int]]:
@@ -407,14 +407,14 @@ class LlamaCppBackend(Backend):
         self._pending = pending
         return flat_tokens, positions, seqs
 
-    def _rows_logits(self, out: np.ndarray, shape: torch.Size, widths: list[int]) -> torch.Tensor:
+    def _rows_logits(self, out: torch.Tensor, shape: torch.Size, widths: list[int]) -> torch.Tensor:
         B, W = shape
         if B == 1 and widths[0] == W:  # no padding to fill: llama.cpp's buffer itself, valid until the next pass
-            return torch.from_numpy(out).view(1, W, self.vocab_size)
+            return out.view(1, W, self.vocab_size)
         logits = torch.zeros(B, W, self.vocab_size)
         start = 0
         for row in range(B):
-            logits[row, : widths[row]] = torch.from_numpy(out[start : start + widths[row]])
+            logits[row, : widths[row]] = out[start : start + widths[row]]
             start += widths[row]
         return logits
 

@@ -123,6 +123,7 @@ class SuffixDrafter(Drafter):
         self.alternatives, self.min_token_prob = alternatives, min_token_prob
         self.request = None  # this drafter's request id in the cache (None: no sequence started)
         self.seen = 0  # committed tokens the cache holds for it
+        self.text = np.empty(0, dtype=np.int32)  # those tokens (text[:seen]) and room to grow: one conversion a step
         self.last_request = None  # the request it drafted last, and the chain contexts that request recorded
         self.recorded: list = []
 
@@ -138,10 +139,10 @@ class SuffixDrafter(Drafter):
         self.reset()
         self.request = self.last_request = next(_request_ids)
         self.recorded = []
-        prompt = _int32(prompt_ids[0])
+        self.seen = 0
+        prompt = self._append(prompt_ids[0])
         self.cache.start_request(self.request, prompt)
         self.chains.add(prompt, 0, self.recorded)
-        self.seen = prompt_ids.shape[1]
 
     def forget_last_request(self) -> None:
         self.reset()
@@ -154,20 +155,32 @@ class SuffixDrafter(Drafter):
         if self.request is None:
             self.begin(input_ids)
         elif input_ids.shape[1] > self.seen:
-            self.cache.add_active_response(self.request, _int32(input_ids[0, self.seen :]))
             start = max(0, self.seen - self.chains.context)  # the new tokens with the context before them
-            self.chains.add(_int32(input_ids[0, start:]), self.seen - start, self.recorded)
-            self.seen = input_ids.shape[1]
+            first = self.seen - start
+            self.cache.add_active_response(self.request, self._append(input_ids[0, self.seen :]))
+            self.chains.add(self.text[start : self.seen], first, self.recorded)
+
+    def _append(self, tokens: torch.Tensor) -> np.ndarray:
+        """Add committed tokens to `text` -> their int32 view there."""
+        n, m = self.seen, tokens.shape[0]
+        if n + m > len(self.text):
+            grown = np.empty(max(2 * len(self.text), n + m, 1024), dtype=np.int32)
+            grown[:n] = self.text[:n]
+            self.text = grown
+        self.text[n : n + m] = tokens.numpy()
+        self.seen = n + m
+        return self.text[n : n + m]
 
     def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
         self.commit(input_ids)  # a sequence the engine did not begin (its first propose) starts here
-        chain = self.chains.follow(_int32(input_ids[0, -self.chains.context :]), k)
+        text = self.text[: self.seen]
+        chain = self.chains.follow(text[-self.chains.context :], k)
         if chain:
             return Draft(torch.tensor([chain]), source=CHAIN_SOURCE, match_len=self.chains.context)
         # The tree grows best-first by estimated probability: room for the chain's branches as well as the chain.
         room = 1 + self.alternatives
         found = self.cache.speculate(
-            self.request, _int32(input_ids[0, -MAX_TREE_DEPTH:]), max_spec_tokens=k * room,
+            self.request, text[-MAX_TREE_DEPTH:], max_spec_tokens=k * room,
             max_spec_factor=MAX_SPEC_FACTOR * room, max_spec_offset=MAX_SPEC_OFFSET * room,
             min_token_prob=self.min_token_prob, use_tree_spec=bool(self.alternatives),
         )
@@ -200,6 +213,3 @@ def best_chain(tokens: list[int], parents: list[int], probs: list[float]) -> tup
         parent = ranked[0]
     return chain, siblings
 
-
-def _int32(ids: torch.Tensor) -> np.ndarray:
-    return np.ascontiguousarray(ids.numpy().astype(np.int32))
