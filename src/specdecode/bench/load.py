@@ -106,7 +106,14 @@ async def run_level(url: str, model: str | None, prompts: list[list[dict]], conc
     each is a conversation; turn t re-sends the history with its answers and the user turn of the t-th next prompt."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=max(60.0, time_limit * 2))
+    import httpx
+
+    # A fresh connection per request: llama-server (cpp-httplib) closes a kept-alive connection after its 5th request,
+    # and the 6th, sent on it, failed as a connection error that no server-side fault caused. No retries: a server's
+    # error counts.
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0))
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0,
+                                timeout=max(60.0, time_limit * 2), http_client=http)
     if model is None:
         model = (await client.models.list()).data[0].id
     queue = list(range(requests))
