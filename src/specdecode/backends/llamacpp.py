@@ -409,8 +409,8 @@ class LlamaCppBackend(Backend):
 
     def _rows_logits(self, out: torch.Tensor, shape: torch.Size, widths: list[int]) -> torch.Tensor:
         B, W = shape
-        if B == 1 and widths[0] == W:  # no padding to fill: llama.cpp's buffer itself, valid until the next pass
-            return out.view(1, W, self.vocab_size)
+        if all(width == W for width in widths):  # no padding to fill: llama.cpp's buffer itself, valid until the next pass
+            return out.view(B, W, self.vocab_size)
         logits = torch.zeros(B, W, self.vocab_size)
         start = 0
         for row in range(B):
