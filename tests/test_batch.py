@@ -1,5 +1,7 @@
 """Batched speculative decoding: every row equals the same request run alone; sampling stays lossless."""
 
+import types
+
 import pytest
 import torch
 
@@ -248,12 +250,36 @@ def test_a_row_alone_learns_the_pass_line(target):
     assert line.slope_samples and line.level.value is not None
 
 
+def test_calibration_prices_wide_passes_as_they_run_not_as_the_first_one_did(target, monkeypatch):
+    """A backend's first pass wider than any before grows its buffers (llama.cpp in a fresh process: 64 positions
+    1,074 ms once, 742 after). Widths timed once must not keep that one-off price: it priced long copies 50 % too dear
+    in every new server. Here a pass costs 1 ms a position, plus 100 ms the first time a width exceeds all before."""
+    import importlib
+
+    from specdecode.backends import as_backend
+    from specdecode.control import AdaptiveK
+
+    calibrate_module = importlib.import_module("specdecode.control.calibrate")
+    clock = {"now": 0.0, "widest": 0}
+    backend = as_backend(target)
+    forward = backend.forward
+
+    def timed_forward(tokens, widths, *args, **kwargs):
+        clock["now"] += 0.001 * tokens.shape[1] + (0.1 if tokens.shape[1] > clock["widest"] else 0.0)
+        clock["widest"] = max(clock["widest"], tokens.shape[1])
+        return forward(tokens, widths, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "forward", timed_forward)
+    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    measured = calibrate_module.calibrate(AdaptiveK(max_k=8), backend, widest=64)["verify_s"]
+    assert measured == pytest.approx({w: 0.001 * w for w in widths(64)})
+
+
 def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft, monkeypatch):
     """An adaptive engine starts from this machine's costs (passes by width up to the widest batch pass it runs, a
     draft token, its reading), and the scratch row and the drafter's state are gone before the first request."""
     import importlib
     import itertools
-    import types
 
     calibrate_module = importlib.import_module("specdecode.control.calibrate")  # the module, not its function
     ticks = itertools.count(step=0.001)  # every timing is 1 ms: passes flat in width, so every width is timed

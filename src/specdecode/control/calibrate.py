@@ -56,6 +56,12 @@ def calibrate(controller: AdaptiveK, backend, drafter=None, widest: int = WIDEST
     measured: dict = {"verify_s": {}}
     backend.add_row(prompt)  # also brings the weights into memory (the first pass over a fresh mmap is slow)
     try:
+        # The first pass as wide as any to come grows llama.cpp's buffers (a fresh process: 64 positions timed 1,074
+        # against 742 ms after, AMD EPYC AVX-512); the widths timed once would keep that price, and it decided
+        # whether a server drafted long copies at all (code edits through the server: 22.6-23.3 against 26.9-27.0
+        # tok/s, by whichever price calibration read). Not timed.
+        backend.forward(prompt[:, :widest], [widest])
+        backend.keep([[0]])
         passes = measured["verify_s"]
         for round_ in range(2):  # the faster of two: a hiccup must not make a width look dear
             for width in widths(widest):
