@@ -188,8 +188,7 @@ def builtin_gguf(b: Builtin) -> Path:
             tmp.rename(path)
     # Checked once per file as it lies (path, size, mtime): hashing the 1.5B's 1 GB took ~0.8 s at every load.
     stamp = cache_dir() / "gguf" / f"{b.name}.verified"
-    st = path.stat()
-    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{b.sha256}"
+    ident = f"{_gguf_key(path)}:{b.sha256}"
     if stamp.exists() and stamp.read_text() == ident:
         return path
     actual = _sha256(path)
