@@ -51,6 +51,8 @@ for round in $(seq 1 "$ROUNDS"); do
     run="$OUT/runs/r$round-$name"
     $SD bench --endpoint "$name=http://127.0.0.1:$PORT" --concurrency 1,4,8 --requests 8 --per-task 4 \
       --max-new-tokens 64 --rounds 1 --out "$run" "$@" >/dev/null || echo "[llama-server-bench] $name: some requests failed (see $run/load.md)" >&2
+    # what the server counted (ours: drafts by source, the pass prices it calibrated); llama-server: only with --metrics
+    curl -sf "http://127.0.0.1:$PORT/metrics" > "$run/metrics.txt" 2>/dev/null || rm -f "$run/metrics.txt"
     kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
     RUNS+=("$run")
   done

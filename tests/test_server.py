@@ -182,6 +182,10 @@ def test_metrics_counters_move(server):
                  "specdecode_draft_seconds_bucket", "specdecode_speculation_on", "specdecode_step_seconds_bucket",
                  "specdecode_admit_seconds_bucket"):
         assert name in text
+    calibrated = server.service.engine.calibration["verify_s"]  # the prices the controller started from, by width
+    assert len(calibrated) >= 4
+    for width, seconds in calibrated.items():
+        assert metric(server, "specdecode_calibrated_pass_seconds", f'width="{width}"') == pytest.approx(seconds, rel=1e-6)
 
 
 def test_full_queue_answers_429_not_a_hang(target, tokenizer):

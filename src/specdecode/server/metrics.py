@@ -49,6 +49,13 @@ class Metrics:
                                       ["rows"], buckets=STEP_BUCKETS, registry=r)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "Submission to first token", buckets=REQUEST_BUCKETS, registry=r)
         self.latency = Histogram("specdecode_request_seconds", "Submission to last token", buckets=REQUEST_BUCKETS, registry=r)
+        self.calibrated_pass = Gauge(
+            "specdecode_calibrated_pass_seconds", "A target pass scoring `width` positions, as timed at load (the controller's "
+            "first prices; a server that drafts differently from another may have read different ones)", ["width"], registry=r)
+
+    def record_calibration(self, calibration: dict | None) -> None:
+        for width, seconds in (calibration or {}).get("verify_s", {}).items():
+            self.calibrated_pass.labels(str(width)).set(seconds)
 
     def record_step(self, report: StepReport, running: int, waiting: int) -> None:
         self.queue_length.set(waiting)

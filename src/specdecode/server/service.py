@@ -127,6 +127,7 @@ class Service:
         self.max_queue, self.default_max_tokens = max_queue, default_max_tokens
         self.speculation = "off" if drafter is None else ("load-aware" if adaptive else f"always (k={k})")
         self.metrics = Metrics()
+        self.metrics.record_calibration(self.engine.calibration)
         self._handles: dict[Sequence, Handle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
