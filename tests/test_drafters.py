@@ -181,13 +181,29 @@ def test_cost_model_interpolates_verify_time():
     assert costs.verify_time(9) == pytest.approx(0.28) and costs.verify_time(7) == pytest.approx(0.28)
 
 
-def test_cost_model_keys_a_batch_pass_by_the_tokens_it_scores():
+def test_cost_model_prices_a_batch_pass_from_its_own_plain_pass_along_the_one_row_curve():
+    """A batch of deep rows costs more than one shallow row of as many tokens (AMX Xeon, llama.cpp: 8 rows 250 ms a
+    plain step, one row's 8-wide pass at load 150 ms). Keyed by tokens alone, the 8-row step overwrote the one-row
+    price and a 4-wide batch pass kept the load's 32-token price: 1.2x a plain step, where it ran ~2x."""
     costs = CostModel(alpha=1.0)
-    costs.observe_verify(6, 0.30)  # one row, 6 positions
-    costs.observe_verify(1, 0.40, rows=16)  # 16 rows, plain
-    assert costs.measured(1, 16) and not costs.measured(1, 8)
-    assert costs.verify_time(3, rows=2) == pytest.approx(0.30)
-    assert costs.verify_time(2, rows=8) == pytest.approx(0.40)
+    for width, seconds in ((1, 0.10), (8, 0.15), (32, 0.30)):  # one row, as timed at load
+        costs.observe_verify(width, seconds)
+    assert costs.verify_time(2, rows=4) == pytest.approx(0.15)  # no pass of 4 rows yet: the curve at 8 tokens
+    costs.observe_verify(1, 0.25, rows=8)  # 8 rows, plain
+    assert costs.measured(1, 8) and not costs.measured(1, 4) and costs.measured(8)
+    assert costs.verify_time(8) == pytest.approx(0.15)  # one row's price is its own
+    assert costs.verify_time(1, rows=8) == pytest.approx(0.25)
+    assert costs.verify_time(4, rows=8) == pytest.approx(0.25 * 0.30 / 0.15)  # the plain step, scaled along the curve
+    costs.observe_verify(4, 0.45, rows=8)  # measured: the measurement rules
+    assert costs.verify_time(4, rows=8) == pytest.approx(0.45)
+
+
+def test_cost_model_prices_a_batch_from_its_own_passes_when_no_row_ran_alone():
+    costs = CostModel(alpha=1.0)
+    costs.observe_verify(1, 0.40, rows=16)
+    costs.observe_verify(3, 0.70, rows=16)
+    assert costs.verify_time(2, rows=16) == pytest.approx(0.55)
+    assert costs.verify_time(1, rows=8) is None
 
 
 def test_load_aware_control_turns_speculation_off_as_the_batch_grows():

@@ -42,13 +42,17 @@ class ConfidenceCalibrator:
 
 @dataclass
 class CostModel:
-    """Seconds per draft token and per verify pass, as moving averages. A verify pass is keyed by the
-    tokens it scores (rows x positions): a batch of 8 rows verifying 6 positions each costs what a
-    48-token pass costs, which is how verification stops being free as the batch grows."""
+    """Seconds per draft token and per verify pass, as moving averages. One row's passes are kept by width
+    (`verify_s`: the curve timed at load, then every step); a batch's by (rows, positions) (`batch_s`). A batch pass
+    not measured yet is priced as the batch's own plain pass scaled by the one-row curve (its pass of rows x positions
+    tokens against one of rows tokens): 8 rows decoding deep contexts cost 250 ms a plain step where one row's 8-wide
+    pass at load cost 150, so the load table's 32-token price (300 ms) made a 4-wide batch pass look 1.2x a plain
+    step; it ran 1.7-2.2x (AMX Xeon, llama.cpp)."""
 
     alpha: float = priors.EMA_ALPHA
     draft_token_s: dict[str, Ema] = field(default_factory=dict)
-    verify_s: dict[int, Ema] = field(default_factory=dict)
+    verify_s: dict[int, Ema] = field(default_factory=dict)  # one row's pass by width
+    batch_s: dict[tuple[int, int], Ema] = field(default_factory=dict)  # a batch's pass by (rows, positions)
     draft_prefill_token_s: Ema = field(default_factory=lambda: Ema(priors.EMA_ALPHA))  # a drafter reading, per token
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
@@ -60,10 +64,11 @@ class CostModel:
             self.draft_token_s.setdefault(source, Ema(self.alpha)).update(seconds / tokens)
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
-        self.verify_s.setdefault(rows * positions, Ema(self.alpha)).update(seconds)
+        table, key = (self.verify_s, positions) if rows == 1 else (self.batch_s, (rows, positions))
+        table.setdefault(key, Ema(self.alpha)).update(seconds)
 
     def measured(self, positions: int, rows: int = 1) -> bool:
-        e = self.verify_s.get(rows * positions)
+        e = self.verify_s.get(positions) if rows == 1 else self.batch_s.get((rows, positions))
         return e is not None and e.value is not None
 
     def widest(self) -> int:
@@ -106,28 +111,48 @@ class CostModel:
         return None if per_position is None or plain is None else (per_position, plain / rows)
 
     def verify_time(self, positions: int, rows: int = 1) -> float | None:
-        """Seconds for a pass of `rows` rows x `positions` positions: measured, or interpolated linearly
-        between the nearest measured sizes, or extrapolated conservatively past them (None: nothing yet).
+        """Seconds for a pass of `rows` rows x `positions` positions: measured; for a batch, its plain pass scaled by
+        the one-row curve (class docstring); else the one-row curve at rows x positions tokens, interpolated linearly
+        between the nearest measured widths, or extrapolated conservatively past them (None: nothing yet).
         Past the widest pass measured it grows at least UNMEASURED_GROWTH of proportionally: one-row passes look
         free up to ~9 tokens on a CPU, and a flat extrapolation to an 8-row x 9-position pass would price it at a plain
         one (calibrate measures up to the widest pass the engine runs, so this is a fallback)."""
-        positions *= rows
-        own = self.verify_s.get(positions)
-        if own is not None and own.value is not None:
-            return own.value
-        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
-        if not known:
-            return None
-        below = [(n, t) for n, t in known if n < positions]
-        above = [(n, t) for n, t in known if n > positions]
-        if below and above:
-            (n0, t0), (n1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (positions - n0) / (n1 - n0)
-        if not below:  # smaller than anything measured
-            return known[0][1]
-        n1, t1 = known[-1]
-        slope = (t1 - known[-2][1]) / (n1 - known[-2][0]) if len(known) > 1 else 0.0
-        return t1 + max(slope, priors.UNMEASURED_GROWTH * t1 / n1) * (positions - n1)
+        if rows > 1:
+            own, plain = self.batch_s.get((rows, positions)), self.batch_s.get((rows, 1))
+            if own is not None and own.value is not None:
+                return own.value
+            curve = _along({n: e.value for n, e in self.verify_s.items() if e.value is not None}, rows * positions, rows)
+            if plain is not None and plain.value is not None and curve is not None:
+                return plain.value * curve
+            if not self.verify_s:  # no one-row pass measured: this batch's own passes
+                return _interpolate({p: e.value for (r, p), e in self.batch_s.items() if r == rows and e.value is not None},
+                                    positions)
+        return _interpolate({n: e.value for n, e in self.verify_s.items() if e.value is not None}, rows * positions)
+
+
+def _interpolate(known: dict[int, float], n: int) -> float | None:
+    """A pass of n tokens from passes measured by width: linear between the nearest, past the widest along the last
+    segment but at least UNMEASURED_GROWTH of proportionally, below the narrowest at its price (None: nothing)."""
+    if n in known:
+        return known[n]
+    widths = sorted(known)
+    if not widths:
+        return None
+    below, above = [w for w in widths if w < n], [w for w in widths if w > n]
+    if below and above:
+        n0, n1 = below[-1], above[0]
+        return known[n0] + (known[n1] - known[n0]) * (n - n0) / (n1 - n0)
+    if not below:  # smaller than anything measured
+        return known[widths[0]]
+    n1 = widths[-1]
+    slope = (known[n1] - known[widths[-2]]) / (n1 - widths[-2]) if len(widths) > 1 else 0.0
+    return known[n1] + max(slope, priors.UNMEASURED_GROWTH * known[n1] / n1) * (n - n1)
+
+
+def _along(curve: dict[int, float], wide: int, narrow: int) -> float | None:
+    """How much dearer a pass of `wide` tokens is than one of `narrow` on this one-row curve (None: not measured)."""
+    t_wide, t_narrow = _interpolate(curve, wide), _interpolate(curve, narrow)
+    return t_wide / t_narrow if t_wide and t_narrow else None
 
 
 class PassCostLine:
