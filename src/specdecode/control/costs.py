@@ -117,17 +117,18 @@ class CostModel:
         Past the widest pass measured it grows at least UNMEASURED_GROWTH of proportionally: one-row passes look
         free up to ~9 tokens on a CPU, and a flat extrapolation to an 8-row x 9-position pass would price it at a plain
         one (calibrate measures up to the widest pass the engine runs, so this is a fallback)."""
+        curve = {n: e.value for n, e in self.verify_s.items() if e.value is not None}
         if rows > 1:
             own, plain = self.batch_s.get((rows, positions)), self.batch_s.get((rows, 1))
             if own is not None and own.value is not None:
                 return own.value
-            curve = _along({n: e.value for n, e in self.verify_s.items() if e.value is not None}, rows * positions, rows)
-            if plain is not None and plain.value is not None and curve is not None:
-                return plain.value * curve
-            if not self.verify_s:  # no one-row pass measured: this batch's own passes
+            if not curve:  # no one-row pass measured: this batch's own passes
                 return _interpolate({p: e.value for (r, p), e in self.batch_s.items() if r == rows and e.value is not None},
                                     positions)
-        return _interpolate({n: e.value for n, e in self.verify_s.items() if e.value is not None}, rows * positions)
+            narrow = _interpolate(curve, rows)
+            if plain is not None and plain.value is not None and narrow:
+                return plain.value * _interpolate(curve, rows * positions) / narrow
+        return _interpolate(curve, rows * positions)
 
 
 def _interpolate(known: dict[int, float], n: int) -> float | None:
@@ -147,12 +148,6 @@ def _interpolate(known: dict[int, float], n: int) -> float | None:
     n1 = widths[-1]
     slope = (known[n1] - known[widths[-2]]) / (n1 - widths[-2]) if len(widths) > 1 else 0.0
     return known[n1] + max(slope, priors.UNMEASURED_GROWTH * known[n1] / n1) * (n - n1)
-
-
-def _along(curve: dict[int, float], wide: int, narrow: int) -> float | None:
-    """How much dearer a pass of `wide` tokens is than one of `narrow` on this one-row curve (None: not measured)."""
-    t_wide, t_narrow = _interpolate(curve, wide), _interpolate(curve, narrow)
-    return t_wide / t_narrow if t_wide and t_narrow else None
 
 
 class PassCostLine:
