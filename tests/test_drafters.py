@@ -7,6 +7,7 @@ import torch
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
+from specdecode.control import priors
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.suffix import ContextChains
 from specdecode.sampling import StreamDraws
@@ -470,6 +471,26 @@ def test_one_rejection_deep_in_a_copy_does_not_keep_its_drafts_short():
     assert verify(10) == 31  # an edit at position 10
     assert [verify(31) for _ in range(4)][2:] == [31, 31]
     assert ctl.measured.lookup_rates("suffix", 40)[1].value > 0.98
+
+
+def test_an_unjudged_short_match_class_starts_where_its_judged_siblings_stand():
+    """Fresh text: a match of 2 rejected twice moves an unjudged match of 3 (and of 1) as far below its prior, so the
+    next short bet waits; long matches and other sources keep their priors. Once judged, a class learns its own."""
+    ctl = AdaptiveK()
+    measured = ctl.measured
+    for _ in range(2):
+        ctl.observe_row("suffix", None, 2, 0, 0.0, match_len=2)
+    shift = measured.lookup_rates("suffix", 2)[0].value - priors.POSITION_ACCEPT_BY_MATCH[2]
+    assert shift < -0.1
+    assert measured.lookup_rates("suffix", 3)[0].value == pytest.approx(priors.POSITION_ACCEPT_BY_MATCH[3] + shift)
+    assert measured.lookup_rates("suffix", 1)[0].value == pytest.approx(priors.POSITION_ACCEPT_BY_MATCH[1] + shift)
+    assert measured.lookup_rates("suffix", 20)[0].value == priors.POSITION_ACCEPT_BY_MATCH[6]
+    assert measured.lookup_rates("ngram", 3)[0].value == priors.POSITION_ACCEPT_BY_MATCH[3]
+    ctl.observe_row("suffix", None, 1, 1, 0.0, match_len=3)  # judged: its own rate from the shifted start
+    own = measured.lookup_rates("suffix", 3)[0].value
+    assert own == pytest.approx(priors.POSITION_ACCEPT_BY_MATCH[3] + shift + priors.EMA_ALPHA * (1 - priors.POSITION_ACCEPT_BY_MATCH[3] - shift))
+    ctl.observe_row("suffix", None, 2, 2, 0.0, match_len=2)  # a sibling's later judgement no longer moves it
+    assert measured.lookup_rates("suffix", 3)[0].value == own
 
 
 def test_context_chains_follow_the_latest_continuation_and_forget_the_oldest():

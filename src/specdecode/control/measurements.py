@@ -44,6 +44,7 @@ class Measurements:
         # Lookup drafts (no confidence), by (source, match class): P(the first token is right), and P(a later one is |
         # the ones before it were)
         self.lookup: dict[tuple[str, int], tuple[Ema, CopyRate]] = {}
+        self.judged_lookups: set[tuple[str, int]] = set()  # (source, match class) with a draft judged
         # At a rejection one of the tree leaves is the target's correction this often (one more token)
         self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
         self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
@@ -83,11 +84,25 @@ class Measurements:
             else:
                 prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
                 self.lookup[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
+        if key[1] in priors.SHORT_MATCH_CLASSES and key not in self.judged_lookups:
+            self._start_from_siblings(key)
         return self.lookup[key]
+
+    def _start_from_siblings(self, key: tuple[str, int]) -> None:
+        """A short match class not judged yet starts its first token's rate where its judged short siblings (same
+        source) stand against their priors: the text, more than the match's length, decides whether short matches
+        copy, so fresh text pays one bet on short matches, not one per class."""
+        source, cls = key
+        shifts = [self.lookup[(source, c)][0].value - priors.POSITION_ACCEPT_BY_MATCH[c]
+                  for c in priors.SHORT_MATCH_CLASSES if (source, c) in self.judged_lookups]
+        if shifts:
+            start = priors.POSITION_ACCEPT_BY_MATCH[cls] + sum(shifts) / len(shifts)
+            self.lookup[key][0].value = min(max(start, 0.0), 1.0)
 
     def observe_lookup(self, source: str, match_len: int, drafted: int, accepted: int) -> None:
         """A lookup draft of `drafted` tokens, `accepted` of them accepted: positions up to the first rejection."""
         first, later = self.lookup_rates(source, match_len)
+        self.judged_lookups.add((source, match_class(match_len)))
         first.update(1.0 if accepted else 0.0)
         if accepted:
             later.update(accepted - 1, 1 if accepted < drafted else 0)
