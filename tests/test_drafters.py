@@ -207,6 +207,35 @@ def test_cost_model_prices_a_batch_from_its_own_passes_when_no_row_ran_alone():
     assert costs.verify_time(1, rows=8) is None
 
 
+def test_a_width_not_run_since_load_is_priced_in_plain_passes_now():
+    """Calibration reads one minute of the machine. Timed in a busy one (AMD EPYC llama.cpp: a plain pass 45 ms, 64
+    positions 1,100) and run in a calm one (plain 33 ms), a 64-wide pass kept its busy price and looked 33 plain passes
+    where it costs ~24: a server that started busy never drafted long copies. Each width keeps what it cost in plain
+    passes of as many rows when last measured."""
+    ctl = AdaptiveK()
+    for width, ms in {1: 45, 2: 80, 4: 140, 8: 300, 16: 380, 32: 660, 64: 1100}.items():  # calibrated, busy
+        ctl.observe_pass(width, 1, ms / 1e3)
+    first, later = ctl.measured.lookup_rates("suffix/chain", 24)
+    first.value, later.judged, later.rejected = 0.9, 100.0, 3.0  # long copies: right at 97 % a position
+    copy = lambda: Draft(torch.arange(63)[None], source="suffix/chain", match_len=24)  # noqa: E731
+    busy = ctl.trim(copy()).length
+    assert busy >= 15
+    for _ in range(20):  # then the machine calms down; only plain steps run
+        ctl.observe_pass(1, 1, 0.033)
+    calm = ctl.costs.verify_time(1) / 0.045
+    assert calm == pytest.approx(33 / 45, rel=0.01)
+    assert ctl.costs.verify_time(64) == pytest.approx(1.1 * calm)
+    assert ctl.costs.verify_time(48) == pytest.approx((0.66 + 1.1) / 2 * calm)
+    assert ctl.trim(copy()).length == busy  # the same bet in plain passes (priced at load: nothing drafted)
+    ctl.observe_pass(64, 1, 1.2)  # measured again: the average, in today's terms, learns it
+    assert ctl.costs.verify_time(64) == pytest.approx(0.8 * 1.1 * calm + 0.2 * 1.2)
+    costs = CostModel(alpha=1.0)  # a batch's pass the same way, against the batch's own plain pass
+    costs.observe_verify(1, 0.30, rows=8)
+    costs.observe_verify(4, 0.60, rows=8)
+    costs.observe_verify(1, 0.20, rows=8)
+    assert costs.verify_time(4, rows=8) == pytest.approx(0.40)
+
+
 def test_load_aware_control_turns_speculation_off_as_the_batch_grows():
     """Verification is nearly free for one row but not for 16 (a pass costs more with every scored token):
     the same measured costs make speculation pay at 1 row and lose at 16."""

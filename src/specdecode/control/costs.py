@@ -54,6 +54,11 @@ class CostModel:
     verify_s: dict[int, Ema] = field(default_factory=dict)  # one row's pass by width
     batch_s: dict[tuple[int, int], Ema] = field(default_factory=dict)  # a batch's pass by (rows, positions)
     draft_prefill_token_s: Ema = field(default_factory=lambda: Ema(priors.EMA_ALPHA))  # a drafter reading, per token
+    # The plain pass of as many rows when each wide pass was last measured. A width not run since is priced as what it
+    # cost then in plain passes, times a plain pass now: calibration reads one minute of the machine, and a width
+    # never drafted kept that minute's price for the server's life (code edits through the server on the AVX-512
+    # EPYC ran 22.6-23.5 or 26.9-28.0 tok/s by which minute the server started in; long copies undrafted in the first).
+    _plain_then: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -65,7 +70,27 @@ class CostModel:
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         table, key = (self.verify_s, positions) if rows == 1 else (self.batch_s, (rows, positions))
-        table.setdefault(key, Ema(self.alpha)).update(seconds)
+        e = table.setdefault(key, Ema(self.alpha))
+        if positions > 1 and e.value is not None:
+            e.value = self._now(rows, positions, e.value)  # the average in today's terms before it learns today's pass
+        e.update(seconds)
+        if positions > 1:
+            plain = self._plain(rows)
+            if plain is not None:
+                self._plain_then[rows, positions] = plain
+
+    def _plain(self, rows: int) -> float | None:
+        e = self.verify_s.get(1) if rows == 1 else self.batch_s.get((rows, 1))
+        return None if e is None else e.value
+
+    def _now(self, rows: int, positions: int, seconds: float) -> float:
+        """A measured pass's price now: what it cost in plain passes when measured, times a plain pass now."""
+        then, plain = self._plain_then.get((rows, positions)), self._plain(rows)
+        return seconds if then is None or plain is None else seconds * plain / then
+
+    def _curve(self) -> dict[int, float]:
+        """One row's passes by width, priced now."""
+        return {n: self._now(1, n, e.value) for n, e in self.verify_s.items() if e.value is not None}
 
     def measured(self, positions: int, rows: int = 1) -> bool:
         e = self.verify_s.get(positions) if rows == 1 else self.batch_s.get((rows, positions))
@@ -83,7 +108,7 @@ class CostModel:
         own = self.verify_time(positions)
         if own is None:
             return positions, None
-        wider = [(e.value, n) for n, e in self.verify_s.items() if n > positions and e.value is not None and e.value < own]
+        wider = [(t, n) for n, t in self._curve().items() if n > positions and t < own]
         seconds, width = min(wider, default=(own, positions))
         return width, seconds
 
@@ -95,7 +120,7 @@ class CostModel:
         """Seconds a position adds to a pass at the wide end of what was measured (the widest pass against the one
         about half as wide): what a row's position costs in a pass that also reads a prompt chunk, hundreds of
         tokens wide, past where positions come nearly free. None: nothing measured yet."""
-        known = sorted((n, e.value) for n, e in self.verify_s.items() if e.value is not None)
+        known = sorted(self._curve().items())
         if len(known) < 2:
             return known[0][1] / known[0][0] if known else None
         n1, t1 = known[-1]
@@ -117,17 +142,17 @@ class CostModel:
         Past the widest pass measured it grows at least UNMEASURED_GROWTH of proportionally: one-row passes look
         free up to ~9 tokens on a CPU, and a flat extrapolation to an 8-row x 9-position pass would price it at a plain
         one (calibrate measures up to the widest pass the engine runs, so this is a fallback)."""
-        curve = {n: e.value for n, e in self.verify_s.items() if e.value is not None}
+        curve = self._curve()
         if rows > 1:
-            own, plain = self.batch_s.get((rows, positions)), self.batch_s.get((rows, 1))
+            own, plain = self.batch_s.get((rows, positions)), self._plain(rows)
             if own is not None and own.value is not None:
-                return own.value
+                return self._now(rows, positions, own.value)
             if not curve:  # no one-row pass measured: this batch's own passes
-                return _interpolate({p: e.value for (r, p), e in self.batch_s.items() if r == rows and e.value is not None},
-                                    positions)
+                return _interpolate({p: self._now(rows, p, e.value) for (r, p), e in self.batch_s.items()
+                                     if r == rows and e.value is not None}, positions)
             narrow = _interpolate(curve, rows)
-            if plain is not None and plain.value is not None and narrow:
-                return plain.value * _interpolate(curve, rows * positions) / narrow
+            if plain is not None and narrow:
+                return plain * _interpolate(curve, rows * positions) / narrow
         return _interpolate(curve, rows * positions)
 
 
