@@ -54,11 +54,11 @@ class CostModel:
     verify_s: dict[int, Ema] = field(default_factory=dict)  # one row's pass by width
     batch_s: dict[tuple[int, int], Ema] = field(default_factory=dict)  # a batch's pass by (rows, positions)
     draft_prefill_token_s: Ema = field(default_factory=lambda: Ema(priors.EMA_ALPHA))  # a drafter reading, per token
-    # The plain pass of as many rows when each wide pass was last measured. A width not run since is priced as what it
-    # cost then in plain passes, times a plain pass now: calibration reads one minute of the machine, and a width
-    # never drafted kept that minute's price for the server's life (code edits through the server on the AVX-512
-    # EPYC ran 22.6-23.5 or 26.9-28.0 tok/s by which minute the server started in; long copies undrafted in the first).
+    # The plain pass of as many rows when each wide pass was last measured. A width not run since is priced at what it
+    # cost then in plain passes, times a plain pass now: calibration reads one minute of a noisy machine, and a width
+    # never drafted would keep that minute's price for the server's life.
     _plain_then: dict[tuple[int, int], float] = field(default_factory=dict)
+    _curve_now: dict[int, float] | None = None  # one row's curve priced now, until a one-row pass is observed
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -74,6 +74,8 @@ class CostModel:
         if positions > 1 and e.value is not None:
             e.value = self._now(rows, positions, e.value)  # the average in today's terms before it learns today's pass
         e.update(seconds)
+        if rows == 1:
+            self._curve_now = None
         if positions > 1:
             plain = self._plain(rows)
             if plain is not None:
@@ -89,8 +91,10 @@ class CostModel:
         return seconds if then is None or plain is None else seconds * plain / then
 
     def _curve(self) -> dict[int, float]:
-        """One row's passes by width, priced now."""
-        return {n: self._now(1, n, e.value) for n, e in self.verify_s.items() if e.value is not None}
+        """One row's passes by width, priced now (kept: a long lookup's trim prices every length, twice)."""
+        if self._curve_now is None:
+            self._curve_now = {n: self._now(1, n, e.value) for n, e in self.verify_s.items() if e.value is not None}
+        return self._curve_now
 
     def measured(self, positions: int, rows: int = 1) -> bool:
         e = self.verify_s.get(positions) if rows == 1 else self.batch_s.get((rows, positions))
