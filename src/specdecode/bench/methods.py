@@ -148,10 +148,8 @@ class LlamaCppMethod(Method):
         start = time.perf_counter()
         for token in self.llm.generate(input_ids[0].tolist(), min_p=0.0, reset=True, **{"top_k": 0, "top_p": 1.0, **options}):
             first = first or time.perf_counter()
-            if token in self.eos:
-                break
-            tokens.append(token)
-            if len(tokens) >= max_new_tokens:
+            tokens.append(token)  # the end token too, as every other method counts it (a pass was spent on it)
+            if token in self.eos or len(tokens) >= max_new_tokens:
                 break
         latency = time.perf_counter() - start
         return Run(tokens, (first or start + latency) - start, latency, {"new_tokens": len(tokens)})
