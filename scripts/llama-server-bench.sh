@@ -26,9 +26,9 @@ declare -A SERVERS=(
   [llama-server]="${LLAMA[*]}"
   [llama-server-draft]="${LLAMA[*]} -md $DRAFT --spec-type draft-simple -td $THREADS -tbd $THREADS"
   [llama-server-ngram-mod]="${LLAMA[*]} --spec-type ngram-mod"
-  [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level warning --port $PORT"
+  [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level info --port $PORT"
   # no drafter: what serving costs beside llama-server plain, speculation apart
-  [specdecode-plain]="$SD serve --target qwen2.5-coder-1.5b --draft none --backend llama.cpp --threads $THREADS --max-batch 8 --log-level warning --port $PORT"
+  [specdecode-plain]="$SD serve --target qwen2.5-coder-1.5b --draft none --backend llama.cpp --threads $THREADS --max-batch 8 --log-level info --port $PORT"
 )
 NAMES=${ONLY:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # which, in the first round's order
 PID=

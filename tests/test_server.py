@@ -188,6 +188,31 @@ def test_metrics_counters_move(server):
         assert metric(server, "specdecode_calibrated_pass_seconds", f'width="{width}"') == pytest.approx(seconds, rel=1e-6)
 
 
+def test_a_finished_request_says_what_it_read_made_and_drafted_in_one_line(server, caplog):
+    import logging
+
+    from specdecode.server.run import log_to_stderr
+
+    with caplog.at_level(logging.INFO, logger="specdecode.server"):
+        out = server.client().completions.create(model=MODEL, prompt=prompt_of(9), max_tokens=16, temperature=0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request done")]
+    assert len(lines) == 1
+    found = re.match(r"request done \((length|stop)\): prompt (\d+) tokens \((\d+) cached\), (\d+) new in [\d.]+ s "
+                     r"\(first after [\d.]+ s, (\d+) steps\), (drafted (\d+), accepted (\d+)|nothing drafted)", lines[0])
+    assert found, lines[0]
+    assert found[1] == out.choices[0].finish_reason
+    assert (int(found[2]), int(found[4])) == (out.usage.prompt_tokens, out.usage.completion_tokens)
+    assert int(found[3]) == out.usage.prompt_tokens_details.cached_tokens
+    logger = logging.getLogger("specdecode")
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
+    try:  # `specdecode serve --log-level` gives the server's own lines a handler of their own, once
+        log_to_stderr("info")
+        log_to_stderr("warning")
+        assert len(logger.handlers) == len(handlers) + 1 and logger.level == logging.WARNING and not logger.propagate
+    finally:
+        logger.handlers, logger.level, logger.propagate = handlers, level, propagate
+
+
 def test_full_queue_answers_429_not_a_hang(target, tokenizer):
     """With steps held, the first request waits in the queue and fills it: the five after it are refused at once."""
     service = Service(target, tokenizer, None, model_name=MODEL, max_batch=1, max_queue=1)

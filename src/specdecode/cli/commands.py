@@ -208,9 +208,10 @@ def cmd_check(args) -> int:
 
 def cmd_serve(args) -> int:
     from ..server import Service
-    from ..server.run import bind, serve
+    from ..server.run import bind, log_to_stderr, serve
 
     sock = bind(args.host, args.port)  # before the models load: a port in use fails in a second, not after minutes
+    log_to_stderr(args.log_level)
     service = Service.from_specs(  # a server speculates load-aware unless told otherwise
         args.target, args.draft, dtype=args.dtype, threads=args.threads, k=args.k,
         adaptive=True if args.adaptive is None else args.adaptive,

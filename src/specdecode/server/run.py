@@ -7,6 +7,7 @@ and `data: [DONE]`, a plain request a 503. A second signal exits at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,19 @@ from .app import create_app
 from .service import Service
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def log_to_stderr(level: str) -> None:
+    """The server's own lines (a line per finished request, the pass prices timed at load) on stderr at `level`, in
+    uvicorn's style; uvicorn configures only its own loggers."""
+    logger = logging.getLogger("specdecode")
+    if not any(getattr(h, "_specdecode", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        handler._specdecode = True
+        logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -96,6 +96,17 @@ class SchedulerThread:
                     future.set_exception(error)
 
 
+def finished_line(seq: Sequence) -> str:
+    """One line for a finished request: what it read, what it made and what speculation did for it."""
+    st = seq.stats
+    drafted = (f"drafted {st.drafted_tokens}, accepted {st.accepted_tokens} ({st.acceptance_rate:.0%})"
+               if st.drafted_tokens else "nothing drafted")
+    sources = ", ".join(f"{source} {tally[2]}/{tally[1]}" for source, tally in sorted(st.by_source.items()))
+    return (f"request done ({seq.result.finish_reason}): prompt {st.prompt_tokens} tokens ({st.cached_prompt_tokens} "
+            f"cached), {st.new_tokens} new in {st.total_time_s:.2f} s (first after {st.time_to_first_token_s:.2f} s, "
+            f"{st.steps} steps), {drafted}{f' [{sources}]' if sources else ''}")
+
+
 class Service:
     def __init__(
         self,
@@ -128,6 +139,10 @@ class Service:
         self.speculation = "off" if drafter is None else ("load-aware" if adaptive else f"always (k={k})")
         self.metrics = Metrics()
         self.metrics.record_calibration(self.engine.calibration)
+        passes = (self.engine.calibration or {}).get("verify_s", {})
+        if passes:
+            log.info("target passes timed at load, ms by positions scored: %s",
+                     ", ".join(f"{width}: {seconds * 1e3:.1f}" for width, seconds in sorted(passes.items())))
         self._handles: dict[Sequence, Handle] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -264,6 +279,8 @@ class Service:
             handle.put("text", (piece, logprobs[handle.logprobs_sent :]))
             handle.logprobs_sent = len(logprobs)
         if seq.finished:
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s", finished_line(seq))
             handle.put("done", seq.result.finish_reason)
 
     def _fail(self, seq: Sequence, message: str, status: int) -> None:
