@@ -6,8 +6,7 @@ import torch
 
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.bench.methods import parse_spec_method
-from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel
-from specdecode.control import priors
+from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, priors
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.suffix import ContextChains
 from specdecode.sampling import StreamDraws

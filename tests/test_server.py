@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official `openai` client over loopback."""
 
 import asyncio
+import logging
 import re
 import socket
 import threading
@@ -13,6 +14,7 @@ import uvicorn
 
 from specdecode import ModelDrafter, SpecDecoder
 from specdecode.server import Service
+from specdecode.server.run import log_to_stderr
 from replay import simulate_costs
 from serving import MODEL, RunningServer, free_port, held_steps, metric
 
@@ -189,10 +191,6 @@ def test_metrics_counters_move(server):
 
 
 def test_a_finished_request_says_what_it_read_made_and_drafted_in_one_line(server, caplog):
-    import logging
-
-    from specdecode.server.run import log_to_stderr
-
     with caplog.at_level(logging.INFO, logger="specdecode.server"):
         out = server.client().completions.create(model=MODEL, prompt=prompt_of(9), max_tokens=16, temperature=0)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request done")]
