@@ -523,16 +523,17 @@ def test_an_unjudged_short_match_class_starts_where_its_judged_siblings_stand():
 
 def test_context_chains_follow_the_latest_continuation_and_forget_the_oldest():
     chains = ContextChains(context=2, shortest=3, longest=5)
-    chains.add(np.array([1, 2, 3, 4, 5, 6, 7]), 0)
-    assert chains.follow(np.array([9, 1, 2]), 8) == [3, 4, 5, 6, 7]  # from the last 2 tokens, up to 5
-    assert chains.follow(np.array([1, 2]), 4) == [3, 4, 5, 6]  # k cuts
-    assert chains.follow(np.array([5, 6]), 8) == []  # chains 1 token: short of 3
-    assert chains.follow(np.array([1, 2]), 2) == []  # k under the shortest chain offered
-    chains.add(np.array([1, 2, 9, 9, 9, 9]), 2)  # [1, 2] seen again, followed by 9 now
-    assert chains.follow(np.array([1, 2]), 8) == [9, 9, 9, 9, 9]
+    chains.add(np.array([1, 2, 3, 4, 5, 6, 7]), 0, request=7)
+    assert chains.follow(np.array([9, 1, 2]), 8) == ([3, 4, 5, 6, 7], 7)  # from the last 2 tokens, up to 5; seen by 7
+    assert chains.follow(np.array([1, 2]), 4) == ([3, 4, 5, 6], 7)  # k cuts
+    assert chains.follow(np.array([5, 6]), 8) == ([], -1)  # chains 1 token: short of 3
+    assert chains.follow(np.array([1, 2]), 2) == ([], -1)  # k under the shortest chain offered
+    chains.add(np.array([1, 2, 9, 9, 9, 9]), 2, request=8)  # [1, 2] seen again (by 8), followed by 9 now
+    assert chains.follow(np.array([1, 2]), 8) == ([9, 9, 9, 9, 9], 8)
+    assert chains.follow(np.array([3, 4]), 8) == ([5, 6, 7], 7)  # the first link decides whose chain it is
     small = ContextChains(context=2, shortest=1, longest=4, capacity=3)
     small.add(np.array([1, 2, 3, 4, 5, 6]), 0)  # four contexts, three kept: [1, 2] dropped
-    assert small.follow(np.array([1, 2]), 4) == [] and small.follow(np.array([2, 3]), 4) == [4, 5, 6]
+    assert small.follow(np.array([1, 2]), 4) == ([], -1) and small.follow(np.array([2, 3]), 4) == ([4, 5, 6], 0)
     with pytest.raises(ValueError, match="shortest <= longest"):
         ContextChains(shortest=8, longest=4)
 
@@ -551,11 +552,55 @@ def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
     later = first.spawn()
     other = random_prompt(6, 20, vocab=5000)[0].tolist() + text[10:40]
     later.begin(torch.tensor([other]))
-    assert later.propose_free(torch.tensor([other]), 63).tokens[0].tolist() == (text[30:] + text[:30])[10:73]
+    copied = later.propose_free(torch.tensor([other]), 63)
+    assert copied.source == "earlier/chain" and copied.tokens[0].tolist() == (text[30:] + text[:30])[10:73]
     alone = SuffixDrafter()  # text[:20] again: 20 tokens match, a context of 24 does not
     alone.begin(torch.tensor([text]))
     short = alone.propose_free(torch.tensor([text + text[:20]]), 63)
     assert short.source == "suffix" and short.match_len == 20 and short.tokens[0].tolist()[:8] == text[20:28]
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_a_request_asked_again_copies_the_earlier_answer_where_prompt_copies_had_failed(chains):
+    """Drafts from earlier requests (a chain whose first link another request recorded: `earlier/chain`; without
+    chains, the tree over earlier answers: `earlier`) are priced apart from matches in the request's own text. A server
+    whose long prompt matches broke at once (a question quoted, then left) still copies a repeated request's answer in
+    long drafts; priced as one source, the repeat drafted one token a step."""
+    ctl = AdaptiveK()
+    for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540, 64: 860}.items():  # AMD EPYC llama.cpp
+        ctl.observe_pass(width, 1, ms / 1e3)
+    for source in ("suffix", "suffix/chain"):
+        for _ in range(6):
+            ctl.observe_row(source, None, 15, 0, 0.0, match_len=30)
+    prompt, answer = (random_prompt(seed, n, vocab=5000)[0].tolist() for seed, n in ((11, 60), (12, 80)))
+    root = SuffixDrafter(chains=None if chains else ContextChains(shortest=1000, longest=1000))  # or: never offered
+
+    def serve(drafter) -> tuple[int, dict]:
+        """Decode `answer` greedily (each draft judged against it) -> (passes, {source: accepted tokens})."""
+        drafter.begin(torch.tensor([prompt]))
+        done = passes = 0
+        accepted_by: dict[str, int] = {}
+        while done < len(answer):
+            ids = torch.tensor([prompt + answer[:done]])
+            draft = ctl.trim(drafter.propose_free(ids, 63))
+            accepted = 0
+            while accepted < min(draft.length, len(answer) - done - 1) and draft.tokens[0, accepted] == answer[done + accepted]:
+                accepted += 1
+            if draft.length:
+                ctl.observe_row(draft.source, None, draft.length, accepted, 0.0, match_len=draft.match_len)
+                accepted_by[draft.source] = accepted_by.get(draft.source, 0) + accepted
+            done, passes = done + accepted + 1, passes + 1
+        drafter.commit(torch.tensor([prompt + answer]))
+        drafter.reset()
+        return passes, accepted_by
+
+    first_passes, _ = serve(root)
+    assert first_passes >= len(answer) - 5  # nothing to copy yet
+    passes, accepted_by = serve(root.spawn())
+    # a chain copies from the first token; the tree's drafts grow with the match (up to its length), and on this curve
+    # matches under 8 tokens are not worth a wider pass at their priors
+    assert passes <= (4 if chains else len(answer) // 4), (passes, accepted_by)
+    assert accepted_by.get("earlier/chain" if chains else "earlier", 0) >= 60, accepted_by
 
 
 def test_a_rerun_after_forget_last_request_drafts_as_the_first_run_did():
@@ -585,7 +630,7 @@ def test_a_rerun_after_forget_last_request_drafts_as_the_first_run_did():
 
     root = root_after_earlier_request()
     first = run(root)
-    assert any(source == "suffix/chain" for source, *_ in first)  # the earlier request's text chains
+    assert any(source == "earlier/chain" for source, *_ in first)  # the earlier request's text chains
     root.forget_last_request()
     assert run(root) == first
     assert run(root) != first  # a rerun that remembers copies the first run's answer (tree and chains)

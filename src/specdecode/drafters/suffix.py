@@ -10,6 +10,11 @@ Long exact copies draft by llama-server's `ngram-mod` rule first (`ContextChains
 occurred before, the token that followed them, chained, up to 64 tokens, offered only when it chains 48. That evidence
 is stronger than a suffix match of the same length (the copy runs on for 48 more tokens), so such a draft has its own
 source, `suffix/chain`, which the controller prices apart (control/measurements.py).
+
+Drafts from earlier requests have sources of their own, `earlier` (the tree over earlier answers scored higher than
+this request's tree) and `earlier/chain` (a chain whose first context another request recorded): a copy of what the
+server answered before is other evidence than a match in this request's own text (a question quoted, then left), and
+priced together a request asked again drafted one token a step after its first run's prompt copies had failed.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from .base import Draft, Drafter
 
 try:
     from arctic_inference.suffix_decoding import SuffixDecodingCache
+    from arctic_inference.suffix_decoding._C import SuffixTree
 except ImportError:  # the optional `suffix` extra (scripts/build-arctic-inference.sh)
-    SuffixDecodingCache = None
+    SuffixDecodingCache = SuffixTree = None
 
 # The longest match plus draft the trees hold: a match of m tokens continues at most MAX_TREE_DEPTH - m, so at 64 a
 # copy drafted at most 32 (replayed with measurements.CopyRate: 128 gains 1 % on code edits, 4-5 % on agent traffic;
@@ -41,8 +47,11 @@ CACHED_RESPONSES = 256  # earlier answers kept for drafting across requests (fir
 CHAIN_CONTEXT, CHAIN_SHORTEST, CHAIN_LONGEST = 24, 48, 64
 CHAIN_CONTEXTS = 1 << 18  # contexts kept across requests (oldest out first): ~50 MB
 CHAIN_SOURCE = "suffix/chain"
+# Drafts from what earlier requests answered (the tree over answers) or saw (chains whose first link another request
+# recorded): not refinements of "suffix", priced apart from this request's own matches
+EARLIER_SOURCE, EARLIER_CHAIN_SOURCE = "earlier", "earlier/chain"
 
-_request_ids = itertools.count()
+_request_ids = itertools.count(1)  # 0: a chain context recorded by no request (ContextChains.add)
 
 
 def suffix_available() -> bool:
@@ -60,24 +69,25 @@ def shared_cache(max_cached_requests: int = CACHED_RESPONSES):
 
 
 class ContextChains:
-    """The token that followed each `context`-token context seen (the latest occurrence wins), over every request of
-    the drafters that share it, the oldest contexts dropped past `capacity`; `follow` chains them into a draft."""
+    """The token that followed each `context`-token context seen (the latest occurrence wins) and which request saw it
+    there, over every request of the drafters that share it, the oldest contexts dropped past `capacity`; `follow`
+    chains them into a draft."""
 
     def __init__(self, context: int = CHAIN_CONTEXT, shortest: int = CHAIN_SHORTEST, longest: int = CHAIN_LONGEST,
                  capacity: int = CHAIN_CONTEXTS):
         if not (context >= 1 and 1 <= shortest <= longest):
             raise ValueError(f"need context >= 1 and 1 <= shortest <= longest, got {context}, {shortest}, {longest}")
         self.context, self.shortest, self.longest, self.capacity = context, shortest, longest, capacity
-        self.next: OrderedDict[bytes, int] = OrderedDict()
+        self.next: OrderedDict[bytes, int] = OrderedDict()  # context -> request << 32 | the token after it
 
-    def add(self, tokens: np.ndarray, first: int, undo: list | None = None) -> None:
-        """Record the context before each of tokens[first:] with the token that followed it; `undo` collects
-        (context, what it held before) for `forget`."""
+    def add(self, tokens: np.ndarray, first: int, undo: list | None = None, request: int = 0) -> None:
+        """Record the context before each of tokens[first:] with the token that followed it, seen by `request`;
+        `undo` collects (context, what it held before) for `forget`."""
         n, tokens = self.context, np.asarray(tokens, dtype=np.int32)
         for end in range(max(first, n), len(tokens)):
             key = tokens[end - n : end].tobytes()
             before = self.next.pop(key, None)  # re-inserted: the newest, last to be dropped
-            self.next[key] = int(tokens[end])
+            self.next[key] = request << 32 | int(tokens[end])
             if undo is not None:
                 undo.append((key, before))
         while len(self.next) > self.capacity:
@@ -92,22 +102,25 @@ class ContextChains:
                 self.next[key] = before
         undo.clear()
 
-    def follow(self, tail: np.ndarray, k: int) -> list[int]:
-        """The chain after the text's last `context` tokens (`tail`), at most min(k, longest) tokens; [] where it
-        falls short of `shortest`."""
+    def follow(self, tail: np.ndarray, k: int) -> tuple[list[int], int]:
+        """The chain after the text's last `context` tokens (`tail`), at most min(k, longest) tokens, and the request
+        that saw its first link; ([], -1) where it falls short of `shortest`."""
         n, longest = self.context, min(k, self.longest)
         if len(tail) < n or longest < self.shortest:
-            return []
+            return [], -1
         window = np.empty(n + longest, dtype=np.int32)
         window[:n] = tail[-n:]
+        seen_by = -1
         for i in range(longest):
-            token = self.next.get(window[i : i + n].tobytes())
-            if token is None:
+            link = self.next.get(window[i : i + n].tobytes())
+            if link is None:
                 break
-            window[n + i] = token
+            window[n + i] = link & 0xFFFFFFFF
+            if i == 0:
+                seen_by = link >> 32
         else:
             i = longest
-        return window[n : n + i].tolist() if i >= self.shortest else []
+        return (window[n : n + i].tolist(), seen_by) if i >= self.shortest else ([], -1)
 
 
 class SuffixDrafter(Drafter):
@@ -142,7 +155,7 @@ class SuffixDrafter(Drafter):
         self.seen = 0
         prompt = self._append(prompt_ids[0])
         self.cache.start_request(self.request, prompt)
-        self.chains.add(prompt, 0, self.recorded)
+        self.chains.add(prompt, 0, self.recorded, self.request)
 
     def forget_last_request(self) -> None:
         self.reset()
@@ -158,7 +171,7 @@ class SuffixDrafter(Drafter):
             start = max(0, self.seen - self.chains.context)  # the new tokens with the context before them
             first = self.seen - start
             self.cache.add_active_response(self.request, self._append(input_ids[0, self.seen :]))
-            self.chains.add(self.text[start : self.seen], first, self.recorded)
+            self.chains.add(self.text[start : self.seen], first, self.recorded, self.request)
 
     def _append(self, tokens: torch.Tensor) -> np.ndarray:
         """Add committed tokens to `text` -> their int32 view there."""
@@ -174,26 +187,34 @@ class SuffixDrafter(Drafter):
     def propose(self, input_ids, k, sampling, draws, keep_going=None) -> Draft:
         self.commit(input_ids)  # a sequence the engine did not begin (its first propose) starts here
         text = self.text[: self.seen]
-        chain = self.chains.follow(text[-self.chains.context :], k)
+        chain, seen_by = self.chains.follow(text[-self.chains.context :], k)
         if chain:
-            return Draft(torch.tensor([chain]), source=CHAIN_SOURCE, match_len=self.chains.context)
+            source = CHAIN_SOURCE if seen_by == self.request else EARLIER_CHAIN_SOURCE
+            return Draft(torch.tensor([chain]), source=source, match_len=self.chains.context)
         # The tree grows best-first by estimated probability: room for the chain's branches as well as the chain.
         room = 1 + self.alternatives
-        found = self.cache.speculate(
-            self.request, text[-MAX_TREE_DEPTH:], max_spec_tokens=k * room,
-            max_spec_factor=MAX_SPEC_FACTOR * room, max_spec_offset=MAX_SPEC_OFFSET * room,
-            min_token_prob=self.min_token_prob, use_tree_spec=bool(self.alternatives),
-        )
+        found, source = self._speculate(text[-MAX_TREE_DEPTH:], k * room, room)
         if not found.token_ids:
             return Draft.empty(1, input_ids.device)
         chain, siblings = best_chain(found.token_ids, found.parents, found.probs)
         keep = min(k, int(found.match_len * MAX_SPEC_FACTOR + MAX_SPEC_OFFSET)) or 1
         chain, siblings = chain[:keep], siblings[:keep]
-        draft = Draft(torch.tensor([chain]), source=self.name, match_len=found.match_len)
+        draft = Draft(torch.tensor([chain]), source=source, match_len=found.match_len)
         if self.alternatives and any(siblings):
             rows = [(s[: self.alternatives] + [-1] * self.alternatives)[: self.alternatives] for s in siblings]
             draft.alternatives = torch.tensor([rows])
         return draft
+
+    def _speculate(self, context: np.ndarray, most: int, room: int):
+        """The better-scoring draft of this request's tree (prompt and answer so far) and the tree over earlier answers
+        -> (draft, its source). `SuffixDecodingCache.speculate` makes the same choice without saying which tree
+        answered, so the two are called apart here (its trees are attributes of the pinned arctic-inference 0.3.0);
+        a tie goes to the request's tree, which also holds this answer."""
+        args = (context, most, MAX_SPEC_FACTOR * room, MAX_SPEC_OFFSET * room, self.min_token_prob,
+                bool(self.alternatives))
+        own = SuffixTree.speculate_ndarray(self.cache._local_trees[self.request], *args)
+        earlier = SuffixTree.speculate_ndarray(self.cache._global_tree, *args)
+        return (own, self.name) if own.score >= earlier.score else (earlier, EARLIER_SOURCE)
 
     def propose_free(self, input_ids, k) -> Draft:
         return self.propose(input_ids, k, None, None)
