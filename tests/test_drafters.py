@@ -563,7 +563,7 @@ def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
 @pytest.mark.parametrize("chains", [True, False])
 def test_a_request_asked_again_copies_the_earlier_answer_where_prompt_copies_had_failed(chains):
     """Drafts from earlier requests (a chain whose first link another request recorded: `earlier/chain`; without
-    chains, the tree over earlier answers: `earlier`) are priced apart from matches in the request's own text. A server
+    chains, the tree over answers: `answers`) are priced apart from matches in the request's own text. A server
     whose long prompt matches broke at once (a question quoted, then left) still copies a repeated request's answer in
     long drafts; priced as one source, the repeat drafted one token a step."""
     ctl = AdaptiveK()
@@ -600,7 +600,7 @@ def test_a_request_asked_again_copies_the_earlier_answer_where_prompt_copies_had
     # a chain copies from the first token; the tree's drafts grow with the match (up to its length), and on this curve
     # matches under 8 tokens are not worth a wider pass at their priors
     assert passes <= (4 if chains else len(answer) // 4), (passes, accepted_by)
-    assert accepted_by.get("earlier/chain" if chains else "earlier", 0) >= 60, accepted_by
+    assert accepted_by.get("earlier/chain" if chains else "answers", 0) >= 60, accepted_by
 
 
 def test_a_rerun_after_forget_last_request_drafts_as_the_first_run_did():

@@ -11,10 +11,11 @@ occurred before, the token that followed them, chained, up to 64 tokens, offered
 is stronger than a suffix match of the same length (the copy runs on for 48 more tokens), so such a draft has its own
 source, `suffix/chain`, which the controller prices apart (control/measurements.py).
 
-Drafts from earlier requests have sources of their own, `earlier` (the tree over earlier answers scored higher than
-this request's tree) and `earlier/chain` (a chain whose first context another request recorded): a copy of what the
-server answered before is other evidence than a match in this request's own text (a question quoted, then left), and
-priced together a request asked again drafted one token a step after its first run's prompt copies had failed.
+Drafts from answers and earlier requests have sources of their own: `answers` (the tree over answers, earlier ones
+and this one so far, scored higher than this request's tree of prompt and answer) and `earlier/chain` (a chain whose
+first context another request recorded). A copy of what was answered before is other evidence than a match in this
+request's prompt (a question quoted, then left); priced together, a request asked again drafted one token a step after
+its first run's prompt copies had failed.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ CACHED_RESPONSES = 256  # earlier answers kept for drafting across requests (fir
 CHAIN_CONTEXT, CHAIN_SHORTEST, CHAIN_LONGEST = 24, 48, 64
 CHAIN_CONTEXTS = 1 << 18  # contexts kept across requests (oldest out first): ~50 MB
 CHAIN_SOURCE = "suffix/chain"
-# Drafts from what earlier requests answered (the tree over answers) or saw (chains whose first link another request
-# recorded): not refinements of "suffix", priced apart from this request's own matches
-EARLIER_SOURCE, EARLIER_CHAIN_SOURCE = "earlier", "earlier/chain"
+# Drafts from the tree over answers, and chains whose first link another request recorded: not refinements of
+# "suffix", priced apart from matches in this request's own text
+ANSWERS_SOURCE, EARLIER_CHAIN_SOURCE = "answers", "earlier/chain"
 
 _request_ids = itertools.count(1)  # 0: a chain context recorded by no request (ContextChains.add)
 
@@ -206,15 +207,15 @@ class SuffixDrafter(Drafter):
         return draft
 
     def _speculate(self, context: np.ndarray, most: int, room: int):
-        """The better-scoring draft of this request's tree (prompt and answer so far) and the tree over earlier answers
-        -> (draft, its source). `SuffixDecodingCache.speculate` makes the same choice without saying which tree
+        """The better-scoring draft of this request's tree (prompt and answer so far) and the tree over answers (earlier
+        ones and this one so far) -> (draft, its source). `SuffixDecodingCache.speculate` makes the same choice without saying which tree
         answered, so the two are called apart here (its trees are attributes of the pinned arctic-inference 0.3.0);
         a tie goes to the request's tree, which also holds this answer."""
         args = (context, most, MAX_SPEC_FACTOR * room, MAX_SPEC_OFFSET * room, self.min_token_prob,
                 bool(self.alternatives))
         own = SuffixTree.speculate_ndarray(self.cache._local_trees[self.request], *args)
-        earlier = SuffixTree.speculate_ndarray(self.cache._global_tree, *args)
-        return (own, self.name) if own.score >= earlier.score else (earlier, EARLIER_SOURCE)
+        answers = SuffixTree.speculate_ndarray(self.cache._global_tree, *args)
+        return (own, self.name) if own.score >= answers.score else (answers, ANSWERS_SOURCE)
 
     def propose_free(self, input_ids, k) -> Draft:
         return self.propose(input_ids, k, None, None)

@@ -28,8 +28,8 @@ class Metrics:
         self.accepted_tokens = Counter("specdecode_accepted_tokens", "Drafted tokens the target accepted", registry=r)
         self.draft_by_source = Counter(
             "specdecode_draft_tokens_by_source",
-            "Drafted tokens by source (suffix, suffix/chain: a long copy, earlier and earlier/chain: from earlier "
-            "requests, ngram, a model)", ["source"], registry=r)
+            "Drafted tokens by source (suffix, suffix/chain: a long copy, answers: the tree over answers, "
+            "earlier/chain: another request's copy, ngram, a model)", ["source"], registry=r)
         self.accepted_by_source = Counter(
             "specdecode_accepted_tokens_by_source", "Accepted tokens by the source that drafted them", ["source"], registry=r)
         self.draft_by_position = Counter(
