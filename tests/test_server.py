@@ -285,6 +285,33 @@ def test_chat_traffic_resends_the_history_and_the_server_serves_it_from_cache(se
     assert first.usage.prompt_tokens_details.cached_tokens < 16 <= second.usage.prompt_tokens_details.cached_tokens
 
 
+def test_repeat_traffic_asks_each_prompt_again_after_its_first_ask(server, tmp_path):
+    """`--traffic repeat`: a level's requests are its first half of prompts, then the same again in order (one at a
+    time: each repeat after its first ask), and a repeat's prompt is served from the prefix cache."""
+    import json
+
+    from specdecode.bench.load import repeat_requests
+    from specdecode.cli import main
+
+    asks = [[{"role": "user", "content": f"p{i}"}] for i in range(7)]
+    assert [m[0]["content"] for m in repeat_requests(asks, 4)] == ["p0", "p1", "p0", "p1", "p2", "p3", "p2", "p3",
+                                                                    "p4", "p5", "p4", "p5"]
+    assert [m[0]["content"] for m in repeat_requests(asks, 3)][:6] == ["p0", "p1", "p0", "p2", "p3", "p2"]
+    with pytest.raises(ValueError, match="at least 4 prompts"):
+        repeat_requests(asks[:3], 8)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(f"w{i + j}" for j in range(20)) + "\n" for i in range(0, 40, 10)))
+    out = tmp_path / "repeat"
+    assert main(["bench", "--endpoint", f"a={server.url}", "--traffic", "repeat", "--concurrency", "1",
+                 "--requests", "4", "--rounds", "1", "--max-new-tokens", "6", "--prompts", str(prompts),
+                 "--out", str(out)]) == 0
+    row, = json.loads((out / "load.json").read_text())["rows"]
+    assert row["requests"] == 4 and row["errors"] == 0
+    first, second, again_first, again_second = row["raw"]
+    for ask, again in ((first, again_first), (second, again_second)):
+        assert again["prompt_tokens"] == ask["prompt_tokens"] and again["cached_tokens"] >= ask["prompt_tokens"] - 1
+
+
 def test_load_benchmark_counts_errors(tmp_path):
     from specdecode.bench.load import run_load
 

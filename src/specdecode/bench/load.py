@@ -3,7 +3,9 @@ concurrency levels; time to first token, inter-token latency, request latency, o
 
 Traffic: fresh prompts (each request a new prompt), chat (each client holds a conversation of `turns` turns, every
 turn re-sending the history, its answers and a new user turn: TTFT by turn shows whether a server re-reads the
-history), or agent (requests sharing one long prefix, a file, each asking for an edit of a part of it).
+history), agent (requests sharing one long prefix, a file, each asking for an edit of a part of it), or repeat (each
+prompt asked twice, the second time after the first was sent: a client asking again, a retry, an agent re-running a
+step; the second ask can be served from the prompt cache and drafted from the first answer).
 
 Bounded: at most `requests` requests (chat: conversations) per level and round, and no new request starts after
 `time_limit` seconds.
@@ -65,6 +67,16 @@ def agent_requests(texts: list[str]) -> list[list[dict]]:
     code = [text.partition("\n\n")[2] or text for text in texts]
     shared = "Here is a file of our project.\n\n" + "\n\n".join(code)
     return [[{"role": "user", "content": f"{shared}\n\n{text}"}] for text in texts]
+
+
+def repeat_requests(prompts: list[list[dict]], requests: int) -> list[list[dict]]:
+    """Blocks of `requests` requests (one level and round each): the block's ceil(requests / 2) prompts, then as many
+    of them again, in the same order, so each repeat is sent after its first ask."""
+    fresh = -(-requests // 2)
+    blocks = [prompts[i : i + fresh] for i in range(0, len(prompts) - fresh + 1, fresh)]
+    if not blocks:
+        raise ValueError(f"repeat traffic needs at least {fresh} prompts for {requests} requests, got {len(prompts)}")
+    return [p for block in blocks for p in block + block[: requests - fresh]]
 
 
 async def _one(client, model: str, messages: list[dict], max_tokens: int, temperature: float) -> tuple[RequestResult, str]:

@@ -63,9 +63,10 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
                    help="load-benchmark a running OpenAI-compatible server instead (repeatable: measured level by level)")
     b.add_argument("--concurrency", default="1,4,8", help="with --endpoint: concurrent clients per level")
     b.add_argument("--requests", type=int, default=8, help="with --endpoint: requests (chat: conversations) per level and round")
-    b.add_argument("--traffic", choices=("fresh", "chat", "agent"), default="fresh",
+    b.add_argument("--traffic", choices=("fresh", "chat", "agent", "repeat"), default="fresh",
                    help="with --endpoint: fresh prompts; chat: conversations of --turns turns, each re-sending the "
-                        "history; agent: requests sharing one long prefix (the prompts' code as one file)")
+                        "history; agent: requests sharing one long prefix (the prompts' code as one file); repeat: "
+                        "each prompt asked twice (the level's first half of requests, then the same again)")
     b.add_argument("--turns", type=int, default=4, help="with --traffic chat: turns per conversation")
     b.add_argument("--rounds", type=int, default=2,
                    help="with --endpoint: rounds per level, endpoint order reversed every other round (pooled)")

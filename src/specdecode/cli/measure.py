@@ -14,7 +14,7 @@ def cmd_load_bench(args) -> int:
     """`bench --endpoint URL ...`: drive running OpenAI-compatible servers instead of loading models."""
     from tqdm import tqdm
 
-    from ..bench.load import agent_requests, run_load
+    from ..bench.load import agent_requests, repeat_requests, run_load
 
     endpoints = {}
     for i, spec in enumerate(args.endpoint):
@@ -25,6 +25,8 @@ def cmd_load_bench(args) -> int:
         raise ValueError("--concurrency levels and --requests must be >= 1")
     texts = [p.text for p in _load_prompts(args)]
     prompts = agent_requests(texts) if args.traffic == "agent" else [[{"role": "user", "content": t}] for t in texts]
+    if args.traffic == "repeat":
+        prompts = repeat_requests(prompts, args.requests)
     if args.rounds < 1 or args.turns < 1:
         raise ValueError("--rounds and --turns must be >= 1")
     turns = args.turns if args.traffic == "chat" else 1
