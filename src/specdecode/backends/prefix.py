@@ -60,10 +60,6 @@ class PrefixCache:
         self.stats.cached_tokens += best_len
         return best, best_len
 
-    def keep_prefix(self, key: Hashable, length: int) -> None:
-        """The entry holds only its first `length` tokens from now on (the backend has dropped the rest)."""
-        self.entries[key] = self.entries[key][:length]
-
     def shared(self, prompt: list[int] | np.ndarray) -> int:
         """The tokens `find` would serve the prompt now, without using the entry (for choosing whom to read next)."""
         return self._longest(np.asarray(prompt))[1]
