@@ -17,6 +17,12 @@ class Metrics:
         self.prompt_tokens = Counter("specdecode_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_prompt_tokens = Counter(
             "specdecode_prompt_tokens_cached", "Prompt tokens served from the prefix cache (not read again)", registry=r)
+        self.prefix_entries = Gauge("specdecode_prefix_cache_entries", "Finished prompts whose K/V the prefix cache holds",
+                                    registry=r)
+        self.prefix_tokens = Gauge("specdecode_prefix_cache_tokens", "Tokens the prefix cache's entries hold", registry=r)
+        self.prefix_evictions = Gauge(
+            "specdecode_prefix_cache_evictions", "Entries evicted since start, least recently used first (for=cells: "
+            "a pass found no free KV cells; for=room: past the cache's bound)", ["reason"], registry=r)
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=r)
         self.queue_length = Gauge("specdecode_queue_length", "Requests waiting to join the batch", registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Rows in the last verify pass", registry=r)
@@ -57,6 +63,15 @@ class Metrics:
     def record_calibration(self, calibration: dict | None) -> None:
         for width, seconds in (calibration or {}).get("verify_s", {}).items():
             self.calibrated_pass.labels(str(width)).set(seconds)
+
+    def record_prefix_cache(self, cache) -> None:
+        """What a backend's PrefixCache holds and has evicted (None: no prefix cache)."""
+        if cache is None:
+            return
+        self.prefix_entries.set(len(cache.entries))
+        self.prefix_tokens.set(cache.tokens)
+        self.prefix_evictions.labels("cells").set(cache.stats.evicted_for_cells)
+        self.prefix_evictions.labels("room").set(cache.stats.evictions - cache.stats.evicted_for_cells)
 
     def record_step(self, report: StepReport, running: int, waiting: int) -> None:
         self.queue_length.set(waiting)

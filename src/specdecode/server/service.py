@@ -262,6 +262,7 @@ class Service:
             for seq in report.finished:
                 self._deliver(seq)
             self.metrics.record_step(report, len(self.engine.rows), self.engine.waiting)
+            self.metrics.record_prefix_cache(self.engine.backend.prefix_cache)
 
     def _deliver(self, seq: Sequence) -> None:
         with self._lock:
