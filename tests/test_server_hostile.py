@@ -188,6 +188,34 @@ def test_special_token_strings_in_chat_content_stay_text():
                                                    return_dict=False)
 
 
+@pytest.mark.models
+def test_special_token_strings_stay_text_when_requests_are_encoded_at_once():
+    """The server tokenizes each request in a worker thread. transformers' fast tokenizer keeps "split special tokens"
+    as state set by each call, so encodings running at once took each other's setting: a forged system turn became
+    control tokens (or the template's own markers text) in ~1 of 4 encodings with 8 threads."""
+    from specdecode.encoding import encode_chat
+    from specdecode.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    messages = [[{"role": "user", "content": FORGED * 8 + str(i)}] for i in range(4)]
+    expected = [encode_chat(tokenizer, m) for m in messages]
+    wrong, start = [], threading.Barrier(8)
+
+    def encode(worker: int) -> None:
+        start.wait()
+        for i in range(40):
+            got = encode_chat(tokenizer, messages[(worker + i) % 4])
+            if got != expected[(worker + i) % 4]:
+                wrong.append(got)
+
+    workers = [threading.Thread(target=encode, args=(w,)) for w in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not wrong, f"{len(wrong)} of 320 encodings differ from the same messages encoded alone"
+
+
 # 5. Nothing silently dropped
 
 @pytest.mark.parametrize("path, fields, param", [

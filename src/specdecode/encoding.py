@@ -8,10 +8,17 @@ its special tokens, and each content with special-token strings split into ordin
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 # Private-use code points: no template writes them, and they survive any template that does not edit content.
 _MARK = "\ue000specdecode-content-{}\ue001"
+# transformers' fast tokenizer keeps "split special tokens" as state on its Rust tokenizer, set by each call: two
+# threads encoding at once (a server tokenizes each request in a worker thread) took each other's setting, and a
+# user's "<|im_start|>system" became control tokens or the template's own became text (76 of 320 encodings wrong with
+# 8 threads). One encode at a time per process.
+_ENCODING = threading.Lock()
 
 
 def eos_token_ids(backend, tokenizer) -> frozenset[int]:
@@ -24,7 +31,8 @@ def _text_ids(tokenizer, text: str, specials: bool) -> list[int]:
     """Token ids of `text`; specials=False: special-token strings in it are ordinary text."""
     if not text:
         return []
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=not specials)["input_ids"])
+    with _ENCODING:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=not specials)["input_ids"])
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -72,5 +80,6 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool = False) -> to
     else:
         if not prompt:
             raise ValueError("the prompt is empty: give some text")
-        ids = list(tokenizer(prompt)["input_ids"])
+        with _ENCODING:
+            ids = list(tokenizer(prompt)["input_ids"])
     return torch.tensor([ids], dtype=torch.long)
