@@ -208,9 +208,9 @@ class SuffixDrafter(Drafter):
 
     def _speculate(self, context: np.ndarray, most: int, room: int):
         """The better-scoring draft of this request's tree (prompt and answer so far) and the tree over answers (earlier
-        ones and this one so far) -> (draft, its source). `SuffixDecodingCache.speculate` makes the same choice without saying which tree
-        answered, so the two are called apart here (its trees are attributes of the pinned arctic-inference 0.3.0);
-        a tie goes to the request's tree, which also holds this answer."""
+        ones and this one so far) -> (draft, its source). `SuffixDecodingCache.speculate` makes the same choice without
+        saying which tree answered, so the two are called apart here (its trees are attributes of the pinned
+        arctic-inference 0.3.0); a tie goes to the request's tree, which also holds this answer."""
         args = (context, most, MAX_SPEC_FACTOR * room, MAX_SPEC_OFFSET * room, self.min_token_prob,
                 bool(self.alternatives))
         own = SuffixTree.speculate_ndarray(self.cache._local_trees[self.request], *args)

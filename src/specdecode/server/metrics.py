@@ -21,8 +21,8 @@ class Metrics:
                                     registry=r)
         self.prefix_tokens = Gauge("specdecode_prefix_cache_tokens", "Tokens the prefix cache's entries hold", registry=r)
         self.prefix_evictions = Gauge(
-            "specdecode_prefix_cache_evictions", "Entries evicted since start, least recently used first (for=cells: "
-            "a pass found no free KV cells; for=room: past the cache's bound)", ["reason"], registry=r)
+            "specdecode_prefix_cache_evictions", "Entries evicted since start, least recently used first (reason=cells: "
+            "a pass found no free KV cells; reason=room: past the cache's bound)", ["reason"], registry=r)
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=r)
         self.queue_length = Gauge("specdecode_queue_length", "Requests waiting to join the batch", registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Rows in the last verify pass", registry=r)
