@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""What idle prefix-cache cells cost a one-token pass on this CPU: one row decodes beside finished rows' spares (other
-sequences' cells in the same unified KV cache), rounds alternating the order of the sizes. The prefix cache keeps
+"""What idle prefix-cache cells cost a one-token pass and a prompt reading on this CPU: one row decodes, and then a
+prompt of each `--read` length is read, beside finished rows' spares (other sequences' cells in the same unified KV
+cache), rounds alternating the order of the sizes. The prefix cache keeps
 spares whole because on the AMD EPYC (session 30) 0 / 1,000 / 3,000 idle cells measured alike; run this on another
 CPU before trusting that there. Not part of CI.
 
-Usage: .venv/bin/python scripts/llama-idle-cells.py [--cells 0,1000,3000] [--spare 250] [--rounds 3] [--threads 2]
+Usage: .venv/bin/python scripts/llama-idle-cells.py [--cells 0,1000,3000] [--spare 250] [--read 64,512] [--rounds 3]
+       [--threads 2]
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="0,1000,3000", help="idle cells to hold beside the row, per measurement")
     ap.add_argument("--spare", type=int, default=250, help="tokens per finished prompt (spare) holding them")
+    ap.add_argument("--read", default="64,512", help="prompt lengths whose reading (one pass each) is timed too")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     args = ap.parse_args()
     sizes = [int(c) for c in args.cells.split(",")]
+    reads = [int(n) for n in args.read.split(",") if n]
 
     passes: list[tuple[int, float]] = []
     original = llama_cpp.llama_decode
@@ -51,6 +55,7 @@ def main() -> None:
             engine.step()
 
     ms: dict[int, list[float]] = {size: [] for size in sizes}
+    read_ms: dict[tuple[int, int], list[float]] = {(size, n): [] for size in sizes for n in reads}
     for r in range(args.rounds):
         for size in sizes if r % 2 == 0 else sizes[::-1]:
             backend.drop_cached_prefixes()
@@ -61,9 +66,16 @@ def main() -> None:
             run(100, 64)
             one_token = [seconds for n, seconds in passes if n == 1][4:]
             ms[size].append(1e3 * statistics.median(one_token))
-            print(f"round {r + 1}: {held:>5} idle cells: one-token pass {ms[size][-1]:.2f} ms (median)", flush=True)
+            for n in reads:  # a fresh prompt read in one pass, beside the same spares
+                passes.clear()
+                run(n, 1)
+                read_ms[size, n].append(1e3 * sum(seconds for tokens, seconds in passes if tokens == n))
+            print(f"round {r + 1}: {held:>5} idle cells: one-token pass {ms[size][-1]:.2f} ms (median)"
+                  + "".join(f", {n}-token read {read_ms[size, n][-1]:.0f} ms" for n in reads), flush=True)
     for size, values in ms.items():
-        print(f"{size:>5} idle cells: {statistics.median(values):.2f} ms (rounds: {', '.join(f'{v:.2f}' for v in values)})")
+        print(f"{size:>5} idle cells: one-token pass {statistics.median(values):.2f} ms (rounds: "
+              f"{', '.join(f'{v:.2f}' for v in values)})"
+              + "".join(f"; {n}-token read {statistics.median(read_ms[size, n]):.0f} ms" for n in reads))
 
 
 if __name__ == "__main__":

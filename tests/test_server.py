@@ -211,6 +211,23 @@ def test_a_finished_request_says_what_it_read_made_and_drafted_in_one_line(serve
         logger.handlers, logger.level, logger.propagate = handlers, level, propagate
 
 
+def test_each_step_says_what_it_read_drafted_and_cost_at_debug_level(server, caplog):
+    """`--log-level debug`: one line a step, whose tokens add up to the request's (read, made)."""
+    with caplog.at_level(logging.DEBUG, logger="specdecode.server"):
+        out = server.client().completions.create(model=MODEL, prompt=prompt_of(12), max_tokens=12, temperature=0)
+    steps = [re.match(r"step: (\d+) rows x (\d+) wide, read (\d+) \((\d+) in the pass, (\d+) cached\), joined (\d+), "
+                      r"drafted (\d+), accepted (\d+)(?: \[.*\])?, cap \S+; \d+ ms \(draft \d+, pass \d+\); \d+ rows, "
+                      r"\d+ waiting$", r.getMessage())
+             for r in caplog.records if r.getMessage().startswith("step:")]
+    assert steps and all(steps), [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+    read, cached, joined = (sum(int(m[i]) for m in steps) for i in (3, 5, 6))
+    assert joined == 1 and read + cached == out.usage.prompt_tokens
+    # each pass makes one token a row and the accepted drafts; the first token comes from the reading
+    made = 1 + sum(int(m[1]) + int(m[8]) for m in steps if int(m[1]))
+    assert made == out.usage.completion_tokens
+    assert all(int(m[8]) <= int(m[7]) for m in steps)
+
+
 def test_full_queue_answers_429_not_a_hang(target, tokenizer):
     """With steps held, the first request waits in the queue and fills it: the five after it are refused at once."""
     service = Service(target, tokenizer, None, model_name=MODEL, max_batch=1, max_queue=1)

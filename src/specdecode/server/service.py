@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import BatchEngine
+from ..batch import BatchEngine, StepReport
 from ..drafters.base import Drafter
 from ..encoding import encode_prompt, eos_token_ids
 from ..pipeline import TextStream, load_components
@@ -105,6 +105,15 @@ def finished_line(seq: Sequence) -> str:
     return (f"request done ({seq.result.finish_reason}): prompt {st.prompt_tokens} tokens ({st.cached_prompt_tokens} "
             f"cached), {st.new_tokens} new in {st.total_time_s:.2f} s (first after {st.time_to_first_token_s:.2f} s, "
             f"{st.steps} steps), {drafted}{f' [{sources}]' if sources else ''}")
+
+
+def step_line(report: StepReport, rows: int, waiting: int) -> str:
+    """One line for an engine step (debug log): who was in its pass, what it read and drafted, what it cost."""
+    sources = ", ".join(f"{source} {accepted}/{drafted}" for source, (drafted, accepted) in sorted(report.by_source.items()))
+    return (f"step: {report.rows} rows x {report.width} wide, read {report.prefill_tokens} ({report.read_in_pass} in the "
+            f"pass, {report.cached_tokens} cached), joined {report.admitted}, drafted {report.drafted}, accepted "
+            f"{report.accepted}{f' [{sources}]' if sources else ''}, cap {report.cap}; {report.step_s * 1000:.0f} ms "
+            f"(draft {report.draft_s * 1000:.0f}, pass {report.verify_s * 1000:.0f}); {rows} rows, {waiting} waiting")
 
 
 class Service:
@@ -261,6 +270,8 @@ class Service:
                 self._deliver(seq)
             for seq in report.finished:
                 self._deliver(seq)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", step_line(report, len(self.engine.rows), self.engine.waiting))
             self.metrics.record_step(report, len(self.engine.rows), self.engine.waiting)
             self.metrics.record_prefix_cache(self.engine.backend.prefix_cache)
 
