@@ -8,6 +8,7 @@ from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEn
 from specdecode.backends import BackendError, choose_backend
 from specdecode.backends.llamacpp import LlamaCppBackend, LlamaModel
 from specdecode.batch import BatchEngine
+from specdecode.control import AdaptiveK
 from specdecode.check import first_difference, top2_gap
 from specdecode.models import load_model, load_tokenizer
 from specdecode.drafters.factory import make_llama_drafter
@@ -135,6 +136,30 @@ def test_rows_as_sequence_ids_equal_each_row_alone(smol_gguf, cold, prompts, ref
                     for i, (seq, budget) in enumerate(zip(seqs, budgets)))
     assert identical >= 2
     assert batched.rows == 0
+
+
+def test_rows_verifying_drafts_of_different_lengths_equal_each_row_alone(smol_gguf, cold, prompts, references,
+                                                                        monkeypatch):
+    """A llama.cpp batch runs each row's own positions (no padding): rows whose drafts are cut to different lengths in
+    one pass must each keep only what the target accepted, as a row alone would (an off-by-one in a row's share of the
+    flat batch's logits would show here)."""
+    cuts = []
+
+    def uneven(self, rows, plan, drafts):  # every other row one token at most; the decision itself is tested apart
+        for i, draft in enumerate(drafts):
+            draft.truncate(draft.length if i % 2 == 0 else min(draft.length, 1))
+        cuts.append([draft.length for draft in drafts])
+
+    monkeypatch.setattr(AdaptiveK, "fit", uneven)
+    engine = BatchEngine(LlamaCppBackend(smol_gguf, threads=2, max_rows=4), NgramDrafter(), k=4, adaptive=True,
+                         max_batch=4)
+    requests = [dict(input_ids=prompts[i % len(prompts)], max_new_tokens=NEW_TOKENS) for i in range(4)]
+    seqs = engine.generate_all(requests)
+    assert any(max(c) >= 2 and len(set(c)) > 1 for c in cuts)  # long drafts beside shorter ones in one pass
+    assert sum(seq.stats.accepted_tokens for seq in seqs) > 0
+    identical = sum(own_or_near_tie(cold, requests[i]["input_ids"], seq.result.token_ids, references[i % len(prompts)])
+                    for i, seq in enumerate(seqs))
+    assert identical >= 2
 
 
 def own_or_near_tie(cold, prompt: torch.Tensor, got: list[int], reference: list[int]) -> bool:

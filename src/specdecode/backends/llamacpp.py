@@ -408,7 +408,7 @@ class LlamaCppBackend(Backend):
         B, W = shape
         if all(width == W for width in widths):  # no padding to fill: llama.cpp's buffer itself, valid until the next pass
             return out.view(B, W, self.vocab_size)
-        logits = torch.zeros(B, W, self.vocab_size)
+        logits = torch.empty(B, W, self.vocab_size)  # a row's positions past its width are never read (not zeroed)
         start = 0
         for row in range(B):
             logits[row, : widths[row]] = out[start : start + widths[row]]
