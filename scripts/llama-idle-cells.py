@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""What idle prefix-cache cells cost a one-token pass and a prompt reading on this CPU: one row decodes, and then a
-prompt of each `--read` length is read, beside finished rows' spares (other sequences' cells in the same unified KV
-cache), rounds alternating the order of the sizes. The prefix cache keeps
-spares whole because on the AMD EPYC (session 30) 0 / 1,000 / 3,000 idle cells measured alike; run this on another
-CPU before trusting that there. Not part of CI.
+"""What the prefix cache's spares cost every pass on this CPU. Two engines on the llama.cpp backend in one process:
+one aged as a server's is (waves of 8 requests of 300-860 tokens whose finished rows stay as spares), one kept clean
+(spares dropped before each probe); probes alternate between them. A probe reads a 1,024-token prompt, then that
+prompt plus 256 new tokens (the 256 read at depth 1,024 beside the cached prefix, as a chat's next turn is) and
+decodes 24 tokens; it reports the 256-token read and the median one-token pass. llama.cpp's attention visits every
+cell of the unified cache's used range for each query token (masked cells skipped one by one), so idle cells cost
+what the range spans: on the AMD EPYC (session 31) 9,552 spare tokens made reads 16-23 % and one-token passes 25-32 %
+dearer. A spare placed in a fresh cache (session 30's version of this script) measured nothing at 3,000 cells.
+Not part of CI.
 
-Usage: .venv/bin/python scripts/llama-idle-cells.py [--cells 0,1000,3000] [--spare 250] [--read 64,512] [--rounds 3]
-       [--threads 2]
+Usage: .venv/bin/python scripts/llama-idle-cells.py [--waves 6] [--rounds 3] [--max-spare-tokens N] [--threads 2]
 """
 
 from __future__ import annotations
@@ -24,15 +27,12 @@ from specdecode.pipeline import load_components
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cells", default="0,1000,3000", help="idle cells to hold beside the row, per measurement")
-    ap.add_argument("--spare", type=int, default=250, help="tokens per finished prompt (spare) holding them")
-    ap.add_argument("--read", default="64,512", help="prompt lengths whose reading (one pass each) is timed too")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--waves", type=int, default=6, help="waves of 8 requests that age the first engine's cache")
+    ap.add_argument("--rounds", type=int, default=3, help="probe pairs, the order alternating")
+    ap.add_argument("--max-spare-tokens", type=int, default=None, help="bound the aged engine's spares (default: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     args = ap.parse_args()
-    sizes = [int(c) for c in args.cells.split(",")]
-    reads = [int(n) for n in args.read.split(",") if n]
 
     passes: list[tuple[int, float]] = []
     original = llama_cpp.llama_decode
@@ -44,38 +44,47 @@ def main() -> None:
         return status
 
     llama_cpp.llama_decode = timed_decode
-    backend, _, _, _, _ = load_components(args.target, "none", backend="llama.cpp", threads=args.threads, max_rows=8,
-                                          k=None, adaptive=False)
-    engine = BatchEngine(backend, None, max_batch=8)
     tokens = torch.Generator().manual_seed(0)
 
-    def run(prompt_len: int, new: int) -> None:
-        engine.submit(torch.randint(1000, 30000, (1, prompt_len), generator=tokens), max_new_tokens=new)
+    def engine() -> BatchEngine:
+        backend, _, _, _, _ = load_components(args.target, "none", backend="llama.cpp", threads=args.threads,
+                                              max_rows=8, k=None, adaptive=False)
+        return BatchEngine(backend, None, max_batch=8)
+
+    def run(engine: BatchEngine, requests: list[tuple[torch.Tensor, int]]) -> None:
+        for prompt, new in requests:
+            engine.submit(prompt, max_new_tokens=new)
         while engine.has_work:
             engine.step()
 
-    ms: dict[int, list[float]] = {size: [] for size in sizes}
-    read_ms: dict[tuple[int, int], list[float]] = {(size, n): [] for size in sizes for n in reads}
+    def probe(engine: BatchEngine) -> tuple[float, float]:
+        base = torch.randint(1000, 30000, (1, 1024), generator=tokens)
+        run(engine, [(base, 1)])
+        passes.clear()
+        run(engine, [(torch.cat([base, torch.randint(1000, 30000, (1, 256), generator=tokens)], 1), 24)])
+        read = sum(seconds for n, seconds in passes if n > 1)
+        return 1e3 * read, 1e3 * statistics.median(seconds for n, seconds in passes if n == 1)
+
+    aged, clean = engine(), engine()
+    aged.backend.prefix_cache.max_tokens = args.max_spare_tokens
+    for _ in range(args.waves):
+        run(aged, [(torch.randint(1000, 30000, (1, 300 + 80 * i), generator=tokens), 4 + 4 * i) for i in range(8)])
+    print(f"aged engine: spares hold {aged.backend.prefix_cache.tokens} tokens in "
+          f"{len(aged.backend.prefix_cache.entries)} entries", flush=True)
+    results: dict[str, list[tuple[float, float]]] = {"aged": [], "clean": []}
     for r in range(args.rounds):
-        for size in sizes if r % 2 == 0 else sizes[::-1]:
-            backend.drop_cached_prefixes()
-            for _ in range(size // args.spare):
-                run(args.spare, 1)  # a finished row: its cells stay as a spare
-            held = backend.prefix_cache.tokens if backend.prefix_cache is not None else 0
-            passes.clear()
-            run(100, 64)
-            one_token = [seconds for n, seconds in passes if n == 1][4:]
-            ms[size].append(1e3 * statistics.median(one_token))
-            for n in reads:  # a fresh prompt read in one pass, beside the same spares
-                passes.clear()
-                run(n, 1)
-                read_ms[size, n].append(1e3 * sum(seconds for tokens, seconds in passes if tokens == n))
-            print(f"round {r + 1}: {held:>5} idle cells: one-token pass {ms[size][-1]:.2f} ms (median)"
-                  + "".join(f", {n}-token read {read_ms[size, n][-1]:.0f} ms" for n in reads), flush=True)
-    for size, values in ms.items():
-        print(f"{size:>5} idle cells: one-token pass {statistics.median(values):.2f} ms (rounds: "
-              f"{', '.join(f'{v:.2f}' for v in values)})"
-              + "".join(f"; {n}-token read {statistics.median(read_ms[size, n]):.0f} ms" for n in reads))
+        for name in ("aged", "clean") if r % 2 == 0 else ("clean", "aged"):
+            if name == "clean":
+                clean.backend.drop_cached_prefixes()
+            results[name].append(probe(aged if name == "aged" else clean))
+            read, one = results[name][-1]
+            print(f"round {r + 1} {name:>5}: 256-token read at depth 1,024 {read:.0f} ms, one-token pass {one:.1f} ms",
+                  flush=True)
+    for name, values in results.items():
+        print(f"{name:>5}: read {statistics.median(v[0] for v in values):.0f} ms, one-token pass "
+              f"{statistics.median(v[1] for v in values):.1f} ms (medians of {len(values)})")
+    for i, ((read_a, one_a), (read_c, one_c)) in enumerate(zip(results["aged"], results["clean"]), 1):
+        print(f"round {i}: aged / clean read {read_a / read_c:.2f}x, one-token pass {one_a / one_c:.2f}x")
 
 
 if __name__ == "__main__":
