@@ -281,8 +281,9 @@ class LlamaCppBackend(Backend):
         if spare is None:
             return LlamaRowReader(self, seq)
         # The spare stays whole (its tail serves a repeat of its prompt, or its conversation's next turn, after this
-        # one): idle cells of other sequences cost a pass nothing measurable (AMD EPYC, 2 threads: a one-token pass
-        # 29.6-31.2 ms beside 0, 1,000 or 3,000 spare cells), and llama-server keeps earlier prompts too (--cache-ram)
+        # one), as llama-server keeps earlier prompts (--cache-ram). Idle cells are not free: attention walks the
+        # cache's used range (AMD EPYC: 9,552 spare tokens made passes 1.25-1.32x in scripts/llama-idle-cells.py), yet
+        # through the server on fresh traffic dropping the cache was not faster; a bound is still to be measured
         self.context.share(spare, seq, shared)
         return LlamaRowReader(self, seq, prompt[0, :shared].tolist())
 
