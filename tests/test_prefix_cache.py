@@ -1,5 +1,5 @@
-"""The prompt-prefix cache: a row started from a cached prefix (a finished row's K/V, shared on llama.cpp, copied on
-torch) decodes exactly what a cold row decodes — the next turn of a chat, a prefix that ends inside the chat template,
+"""The prompt-prefix cache: a row started from a cached prefix (a finished row's K/V, copied out and put back on
+llama.cpp, kept as tensors on torch) decodes exactly what a cold row decodes — the next turn of a chat, a prefix that ends inside the chat template,
 a cache under memory pressure, a prefix evicted while the prompt after it is still being read."""
 
 import pytest
@@ -83,13 +83,18 @@ def test_the_cache_size_reaches_the_backend(backend):
     off, _ = load_target("smollm2-135m", backend, threads=2, prefix_cache_tokens=0)
     sized, _ = load_target("smollm2-135m", backend, threads=2, max_rows=2, prefix_cache_tokens=300)
     assert off.prefix_cache is None and sized.prefix_cache is not None
-    if backend == "torch":
-        assert sized.prefix_cache.max_tokens == 300
-    else:  # cells beyond the rows' own
-        assert sized.context.cells == 2 * sized.context_window + 300
+    assert sized.prefix_cache.max_tokens == 300
 
 
-# --- llama.cpp: cells shared between sequences ----------------------------------------------------------------------
+def test_a_failed_put_back_counts_no_hit():
+    cache = PrefixCache(max_entries=2)
+    cache.add("a", list(range(40)))
+    assert cache.find(list(range(50))) == ("a", 40)
+    cache.unserved(40)
+    assert (cache.stats.hits, cache.stats.cached_tokens, cache.stats.restore_failures) == (0, 0, 1)
+
+
+# --- llama.cpp: cells copied out and put back -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def smol():
@@ -161,29 +166,54 @@ def test_a_prefix_shared_one_token_too_far_is_caught(smol, monkeypatch):
         assert_llama_cpps_own(cold.backend, prompt, result.token_ids, cold.generate(prompt, max_new_tokens=8).result().token_ids)
 
 
-def test_llama_cpp_spares_give_way_under_memory_pressure(smol):
-    """Few cells: finished rows' spares must be evicted for the rows that run, and the answers stay the same."""
+def test_llama_cpp_cache_under_memory_pressure_changes_no_answer(smol):
+    """Few tokens kept: entries are evicted least recently used first for the newer ones. The answers stay the same,
+    and the newest entry still serves its prompt."""
     from specdecode.backends.llamacpp import LlamaCppBackend
     from specdecode.prompts import load_prompts
 
     model, tokenizer = smol
-    backend = LlamaCppBackend(model, threads=2, window=384, max_rows=2, spare_cells=0)
-    cells = model.lib.llama_n_ctx(backend.context.ctx)
+    backend = LlamaCppBackend(model, threads=2, window=384, max_rows=2, prefix_tokens=600)
     cold = BatchEngine(LlamaCppBackend(model, threads=2, window=384, max_rows=2, prefix_cache=False), NgramDrafter(),
                        k=4, max_batch=2)
     warm = BatchEngine(backend, NgramDrafter(), k=4, max_batch=2)
     prompts = [tokenizer(p.text, return_tensors="pt").input_ids for p in load_prompts("edits")[:6]]
     requests = [dict(input_ids=p, max_new_tokens=16) for p in prompts]
-    assert sum(p.shape[1] + 16 for p in prompts) > cells  # the spares cannot all stay
+    assert sum(p.shape[1] + 16 for p in prompts) > 600  # the entries cannot all stay
     expected = [s.result.token_ids for s in cold.generate_all(requests)]
     for prompt, seq, reference in zip(prompts, warm.generate_all(requests), expected):
         assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids, reference)
-    assert backend.prefix_cache.stats.evicted_for_cells > 0
-    newest = list(backend.prefix_cache.entries.values())[-1]  # the most recent spare survived: its prompt again
+    assert backend.prefix_cache.stats.evictions > 0 and backend.prefix_cache.tokens <= 600
+    assert set(backend._saved) == set(backend.prefix_cache.entries)  # evicted K/V are freed
+    newest = list(backend.prefix_cache.entries.values())[-1]
     last = next(i for i, p in enumerate(prompts) if newest[: p.shape[1]].tolist() == p[0].tolist())
     again, = warm.generate_all(requests[last : last + 1])
     assert again.stats.cached_prompt_tokens == prompts[last].shape[1] - 1
     assert_llama_cpps_own(cold.backend, prompts[last], again.result.token_ids, expected[last])
+
+
+def test_llama_cpp_an_entry_with_no_free_cells_to_go_back_into_is_read_whole(smol):
+    """An entry goes back whole before it is cut to the shared prefix; where the cache has too few free cells for that,
+    the prompt is read as if nothing were cached, to the same answer."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, _ = smol
+    backend = LlamaCppBackend(model, threads=2, window=384, max_rows=2)
+    engine = BatchEngine(backend, None, max_batch=2)
+    first = random_prompt(3, 300, 49152)
+    engine.generate_all([dict(input_ids=first, max_new_tokens=8)])
+    later = torch.cat([first[:, :100], random_prompt(4, 20, 49152)], 1)
+    filler = backend.open_row()  # a row holding all but 200 cells: room to read `later`, not to put 307 back
+    filler.read(random_prompt(5, backend.context.cells - 200, 49152))
+    seq, = engine.generate_all([dict(input_ids=later, max_new_tokens=8)])
+    assert seq.stats.cached_prompt_tokens == 0 and backend.prefix_cache.stats.restore_failures == 1
+    filler.discard()
+    cold = SpeculativeEngine(LlamaCppBackend(model, threads=2, prefix_cache=False), None)
+    expected = cold.generate(later, max_new_tokens=8).result().token_ids
+    assert_llama_cpps_own(cold.backend, later, seq.result.token_ids, expected)
+    again, = engine.generate_all([dict(input_ids=later, max_new_tokens=8)])  # room again: its entry serves it
+    assert again.stats.cached_prompt_tokens == later.shape[1] - 1
+    assert_llama_cpps_own(cold.backend, later, again.result.token_ids, expected)
 
 
 @pytest.mark.parametrize("which", ["llama.cpp", "torch"])
@@ -218,30 +248,30 @@ def test_a_prefix_evicted_while_the_prompt_is_read_changes_nothing(smol, target,
     assert running.result.finish_reason == "length"
 
 
-def test_llama_cpp_a_spare_stays_whole_beside_a_row_that_shares_its_prefix(smol):
-    """A new row shares a spare's prefix cells and the spare keeps its tail: a repeat of its prompt (or its
-    conversation's next turn) after another request that shared only the system prompt is still served from it.
-    (Trimmed to the shared prefix, as before, the repeat read all but 40 of its 70 tokens again.)"""
+def test_llama_cpp_an_entry_stays_whole_beside_a_row_that_shares_its_prefix(smol):
+    """A new row takes an entry's prefix and the entry keeps its tail: a repeat of its prompt (or its conversation's
+    next turn) after another request that shared only the system prompt is still served from it. The cache's cells
+    hold the rows only: a finished row's leave the cache."""
     from specdecode.backends.llamacpp import LlamaCppBackend
 
     model, _ = smol
     backend = LlamaCppBackend(model, threads=2, max_rows=2)
-    pos_max = lambda seq: model.lib.llama_memory_seq_pos_max(backend.context.memory, seq)  # noqa: E731
+    used = lambda: sum(max(0, model.lib.llama_memory_seq_pos_max(backend.context.memory, s) + 1) for s in range(2))  # noqa: E731
     engine = BatchEngine(backend, None, max_batch=2)
     shared = random_prompt(3, 40, 49152)
     first = torch.cat([shared, random_prompt(4, 30, 49152)], 1)
     engine.generate_all([dict(input_ids=first, max_new_tokens=6)])
-    (spare, held), = backend.prefix_cache.entries.items()
-    assert len(held) == pos_max(spare) + 1 == 40 + 30 + 6 - 1  # the last token was never fed back
+    (entry, held), = backend.prefix_cache.entries.items()
+    assert len(held) == 40 + 30 + 6 - 1 and used() == 0  # the last token was never fed back
     later = torch.cat([shared, random_prompt(5, 20, 49152)], 1)
     seq = engine.submit(later, max_new_tokens=6)
     engine.step()
-    assert seq.stats.cached_prompt_tokens == 40
-    assert len(backend.prefix_cache.entries[spare]) == pos_max(spare) + 1 == 75  # the spare keeps its tail
+    assert seq.stats.cached_prompt_tokens == 40 and used() == 60  # its 40 put back, 20 read
+    assert len(backend.prefix_cache.entries[entry]) == 75  # the entry keeps its tail
     while engine.has_work:
         engine.step()
     held = backend.prefix_cache.entries
-    assert len(held) == 2 and held[spare][:70].tolist() == first[0].tolist()
+    assert len(held) == 2 and held[entry][:70].tolist() == first[0].tolist()
     again = engine.submit(first, max_new_tokens=6)
     engine.step()
     assert again.stats.cached_prompt_tokens == 69  # all but the last prompt token, whose logits are computed

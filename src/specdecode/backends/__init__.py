@@ -63,7 +63,7 @@ def load_target(spec: str, backend: str = "auto", *, dtype=None, threads: int | 
         # torch only samples and compares logits here: its idle worker threads would spin beside llama.cpp's.
         torch.set_num_threads(1)
         target = LlamaCppBackend(gguf_file(spec), threads=threads, max_rows=max_rows, prefix_cache=prefix_cache,
-                                 spare_cells=prefix_cache_tokens)
+                                 prefix_tokens=prefix_cache_tokens)
         return target, load_tokenizer(spec)
     if threads:
         torch.set_num_threads(threads)

@@ -3,16 +3,18 @@ low-level API.
 
 Rows are sequence ids in one context with a unified KV cache. A pass is one `llama_batch` whose tokens carry
 their row's sequence id and their own position, with logits asked for every real input; `keep` is
-`llama_memory_seq_rm` past the kept prefix. A finished row's sequence id stays as a spare holding its cells (the prefix
-cache); a new row whose prompt shares a prefix with one starts from it (`llama_memory_seq_cp`: the cells are shared,
-nothing is copied) and reads only the rest. Spares give way, least recently used first, when a pass finds no free
-cells or their ids run out. Chains only: a tree leaf would need a sequence of its own sharing
-the chain's cells (`llama_memory_seq_cp`), which is not built (see docs/results.md).
+`llama_memory_seq_rm` past the kept prefix. A finished row's cells are copied out to host memory (the prefix cache,
+as llama-server's `--cache-ram`): cells left in the cache would cost every later pass, whose attention walks the
+cache's whole used range. A new row whose prompt shares a prefix with a saved one gets its cells back
+(`llama_state_seq_set_data`, milliseconds against seconds of reading) and reads only the rest. Chains only: a tree
+leaf would need a sequence of its own sharing the chain's cells (`llama_memory_seq_cp`), which is not built (see
+docs/results.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,11 @@ import torch
 from .base import Backend, BackendError, RowReader, read_each
 from .llamaguard import vet
 from .llamaprobe import buffer_types
-from .prefix import PrefixCache
+from .prefix import MIN_SHARED, PrefixCache
 
 PINNED = "llama-cpp-python==0.3.36"
+PREFIX_CACHE_TOKENS = 32768
+PREFIX_CACHE_ENTRIES = 32
 INSTALL_HINT = (
     f"the llama.cpp backend needs llama-cpp-python: pip install {PINNED} (it compiles llama.cpp: about 6-10 "
     "minutes on 2 cores), or `pip install -e '.[llama]'`"
@@ -106,12 +110,12 @@ class Context:
     """A llama.cpp context over a model: up to `max_rows` sequences of up to `window` positions each."""
 
     def __init__(self, model: LlamaModel, threads: int | None, window: int, max_rows: int, max_pass: int,
-                 spare_seqs: int = 0, spare_cells: int = 0):
+                 room: int = 0):
         lib = model.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = window * max_rows + spare_cells
+        params.n_ctx = window * max_rows + room
         params.n_batch = params.n_ubatch = max(max_pass, 32)
-        params.n_seq_max = max_rows + spare_seqs
+        params.n_seq_max = max_rows
         params.kv_unified = True  # rows share the whole cache (no fixed slice per sequence)
         params.no_perf = True
         if threads:
@@ -121,7 +125,8 @@ class Context:
             raise BackendError(f"llama.cpp could not make a context of {window * max_rows} positions for {model.path.name}")
         self.lib, self.model = lib, model
         self.memory = lib.llama_get_memory(self.ctx)
-        self.n_batch, self.cells = params.n_batch, params.n_ctx  # cells asked for: the rows' windows and the spares'
+        # cells: the rows' windows and room to restore a cached prefix, as llama.cpp rounded them
+        self.n_batch, self.cells = params.n_batch, lib.llama_n_ctx(self.ctx)
         self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self._views: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -161,15 +166,31 @@ class Context:
         """Drop the sequence's cells from position `start` on (-1: all of them)."""
         self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
-    def share(self, source: int, seq: int, length: int) -> None:
-        """The sequence `seq` (empty) gets the source's cells at positions 0..length-1 (the cells are shared)."""
-        self.lib.llama_memory_seq_cp(self.memory, source, seq, 0, length)
+    def save(self, seq: int) -> np.ndarray:
+        """The sequence's cells (positions, K and V) copied out to host memory."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
+        state = np.empty(size, dtype=np.uint8)
+        if self.lib.llama_state_seq_get_data(self.ctx, _bytes(state), size, seq) != size:
+            raise BackendError(f"llama.cpp could not copy out sequence {seq}'s cells")
+        return state
+
+    def restore(self, state: np.ndarray, seq: int) -> bool:
+        """Put saved cells back as the (empty) sequence `seq`; False when the cache has too few free cells (the
+        sequence is left empty)."""
+        if self.lib.llama_state_seq_set_data(self.ctx, _bytes(state), state.size, seq) == state.size:
+            return True
+        self.forget(seq)
+        return False
 
     def __del__(self):
         if getattr(self, "ctx", None):
             self.lib.llama_batch_free(self._batch)
             self.lib.llama_free(self.ctx)
             self.ctx = None
+
+
+def _bytes(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
 
 
 class CacheFull(BackendError):
@@ -207,20 +228,21 @@ class LlamaCppBackend(Backend):
     pads_passes = True
 
     def __init__(self, gguf: str | Path | LlamaModel, threads: int | None = None, window: int = 4096, max_rows: int = 1,
-                 max_pass: int = 512, prefix_cache: bool = True, spare_cells: int | None = None):
-        """prefix_cache: keep finished rows' cells for later prompts, in up to `spare_cells` cells beyond the rows'
-        own (default: one window) and in as many spare sequences as 2 x max_rows (at least 4)."""
+                 max_pass: int = 512, prefix_cache: bool = True, prefix_tokens: int | None = None):
+        """prefix_cache: keep finished rows' K/V in host memory for later prompts, up to `prefix_tokens` tokens in all
+        (default 32,768: ~0.9 GiB for Qwen2.5 1.5B, 28 KiB a token) and PREFIX_CACHE_ENTRIES entries."""
         self.model = gguf if isinstance(gguf, LlamaModel) else LlamaModel(gguf)
         self.vocab_size = self.model.vocab_size
         self.context_window = min(window, self.model.n_ctx_train) if self.model.n_ctx_train > 0 else window
         self.eos_token_ids = self.model.eos_token_ids
         self.max_rows, self.threads = max_rows, threads
-        spares = max(4, 2 * max_rows) if prefix_cache else 0
-        # Spares are bounded by the cells llama.cpp finds free (it counts shared cells once); ids bound their number.
-        self.prefix_cache = PrefixCache(spares) if prefix_cache else None
-        cells = (self.context_window if spare_cells is None else spare_cells) if prefix_cache else 0
-        self.context = Context(self.model, threads, self.context_window, max_rows, max_pass, spares, cells)
-        self._seq_ids = max_rows + spares
+        tokens = PREFIX_CACHE_TOKENS if prefix_tokens is None else prefix_tokens
+        self.prefix_cache = PrefixCache(PREFIX_CACHE_ENTRIES, tokens) if prefix_cache else None
+        self._saved: dict[int, np.ndarray] = {}  # prefix cache entry -> its cells, copied out (Context.save)
+        self._entry_ids = itertools.count()
+        # one window of room beyond the rows' own: a saved entry is restored whole, then cut to the shared prefix
+        room = self.context_window if prefix_cache else 0
+        self.context = Context(self.model, threads, self.context_window, max_rows, max_pass, room)
         self._seqs: list[int] = []  # row -> sequence id
         self._reading: set[int] = set()  # sequence ids of rows being read (open_row), not yet joined
         self._tokens: list[list[int]] = []  # row -> the tokens its cells hold
@@ -272,45 +294,36 @@ class LlamaCppBackend(Backend):
     def open_row(self, prompt: torch.Tensor | None = None) -> "LlamaRowReader":
         if len(self._seqs) + len(self._reading) >= self.max_rows:
             raise BackendError(f"this llama.cpp context holds {self.max_rows} rows")
-        spares = self.prefix_cache.entries if self.prefix_cache is not None else {}
-        seq = min(set(range(self._seq_ids)) - set(self._seqs) - self._reading - set(spares))
+        seq = min(set(range(self.max_rows)) - set(self._seqs) - self._reading)
         self._reading.add(seq)
         if prompt is None or self.prefix_cache is None:
             return LlamaRowReader(self, seq)
-        spare, shared = self.prefix_cache.find(prompt[0].numpy())
-        if spare is None:
+        entry, shared = self.prefix_cache.find(prompt[0].numpy())
+        if entry is None:
             return LlamaRowReader(self, seq)
-        # The spare stays whole (its tail serves a repeat of its prompt, or its conversation's next turn, after this
-        # one), as llama-server keeps earlier prompts (--cache-ram). Idle cells are not free: attention walks the
-        # cache's used range (AMD EPYC: 9,552 spare tokens made passes 1.25-1.32x in scripts/llama-idle-cells.py), yet
-        # through the server on fresh traffic dropping the cache was not faster; a bound is still to be measured
-        self.context.share(spare, seq, shared)
+        if not self.context.restore(self._saved[entry], seq):
+            self.prefix_cache.unserved(shared)
+            return LlamaRowReader(self, seq)
+        self.context.forget(seq, shared)
         return LlamaRowReader(self, seq, prompt[0, :shared].tolist())
 
     def drop_cached_prefixes(self) -> None:
-        while self.prefix_cache is not None and (spare := self.prefix_cache.pop_oldest()) is not None:
-            self.context.forget(spare)
+        if self.prefix_cache is not None:
+            self.prefix_cache.entries.clear()
+            self._saved.clear()
 
     def _retire(self, seq: int, tokens: list[int]) -> None:
-        """A row's sequence left the batch: its cells stay as a spare for later prompts, or are freed."""
-        if self.prefix_cache is None or not tokens:
-            self.context.forget(seq)
-            return
-        self.context.forget(seq, len(tokens))  # cells of a pass that failed before `keep` hold no token of it
-        for freed in self.prefix_cache.add(seq, tokens):
-            self.context.forget(freed)
-
-    def _decode(self, tokens: list[int], positions: list[int], seqs: list[int], logits: list[bool]) -> torch.Tensor:
-        """A decode for which spares give up their cells, least recently used first, when it finds none free."""
-        while True:
-            try:
-                return self.context.decode(tokens, positions, seqs, logits)
-            except CacheFull:
-                spare = self.prefix_cache.pop_oldest() if self.prefix_cache is not None else None
-                if spare is None:
-                    raise
-                self.prefix_cache.stats.evicted_for_cells += 1
-                self.context.forget(spare)
+        """A row's sequence left the batch: its cells are copied out for later prompts (when the cache keeps them),
+        then freed."""
+        if self.prefix_cache is not None and len(tokens) > MIN_SHARED:
+            self.context.forget(seq, len(tokens))  # cells of a pass that failed before `keep` hold no token of it
+            entry = next(self._entry_ids)
+            freed = self.prefix_cache.add(entry, tokens)
+            if entry in self.prefix_cache.entries:
+                self._saved[entry] = self.context.save(seq)
+            for old in freed:
+                self._saved.pop(old, None)
+        self.context.forget(seq)
 
     def extend(self, row: int, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [1, n] to a row's cache -> the logits after the last [1, V] (only that position's output
@@ -329,7 +342,7 @@ class LlamaCppBackend(Backend):
                 chunk = tokens[offset : offset + step]
                 last = offset + len(chunk) == len(tokens)
                 positions = list(range(start + offset, start + offset + len(chunk)))
-                out = self._decode(chunk, positions, [seq] * len(chunk), [False] * (len(chunk) - 1) + [last])
+                out = self.context.decode(chunk, positions, [seq] * len(chunk), [False] * (len(chunk) - 1) + [last])
         except Exception:
             self.context.forget(seq, start)
             raise
@@ -346,7 +359,7 @@ class LlamaCppBackend(Backend):
             self._padded = True
             flat, seqs, logits = flat + [flat[-1]] * extra, seqs + [seqs[-1]] * extra, logits + [False] * extra
             positions = positions + list(range(positions[-1] + 1, positions[-1] + 1 + extra))
-        out = self._decode(flat, positions, seqs, logits)
+        out = self.context.decode(flat, positions, seqs, logits)
         return self._rows_logits(out, tokens.shape, widths)
 
     def forward_reading(self, reads, tokens, widths, offsets=None, visibility=None):
@@ -378,7 +391,7 @@ class LlamaCppBackend(Backend):
             positions = positions + list(range(len(reader.tokens), len(reader.tokens) + len(new)))
             seqs = seqs + [reader.seq] * len(new)
         try:
-            out = self._decode(flat, positions, seqs, flags)
+            out = self.context.decode(flat, positions, seqs, flags)
         except Exception:
             for _, reader, _ in fused:
                 self.context.forget(reader.seq, len(reader.tokens))

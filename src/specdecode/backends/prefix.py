@@ -1,6 +1,6 @@
 """The prompt-prefix cache's bookkeeping: which token prefixes a backend still holds K/V for, least recently used
-first out. The backend owns the K/V (llama.cpp: a spare sequence id whose cells stay; torch: the row's tensors);
-this class only says what each entry holds, which entry serves a prompt best, and which to evict."""
+first out. The backend owns the K/V (llama.cpp: the row's cells copied out to host memory; torch: the row's
+tensors); this class only says what each entry holds, which entry serves a prompt best, and which to evict."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class PrefixStats:
     hits: int = 0  # of them, rows started from a cached prefix
     cached_tokens: int = 0  # prompt tokens those rows did not read
     evictions: int = 0  # entries evicted, least recently used first
-    evicted_for_cells: int = 0  # of them, because a pass found no free memory (llama.cpp)
+    restore_failures: int = 0  # entries found whose K/V found no free cells (llama.cpp): the prompt was read whole
 
 
 def common_prefix(a, b) -> int:
@@ -59,6 +59,12 @@ class PrefixCache:
         self.stats.hits += 1
         self.stats.cached_tokens += best_len
         return best, best_len
+
+    def unserved(self, shared: int) -> None:
+        """The entry `find` chose could not be put back: the row reads its prompt whole."""
+        self.stats.hits -= 1
+        self.stats.cached_tokens -= shared
+        self.stats.restore_failures += 1
 
     def shared(self, prompt: list[int] | np.ndarray) -> int:
         """The tokens `find` would serve the prompt now, without using the entry (for choosing whom to read next)."""

@@ -84,9 +84,8 @@ def build_parser(config: dict | None = None) -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="read every prompt whole (default: finished requests' K/V serve the prompts that share a prefix)")
     s.add_argument("--prefix-cache-tokens", type=at_least(0), default=None, metavar="N",
-                   help="room for finished requests' K/V, in tokens, kept for later prompts that share a prefix, least "
-                        "recently used evicted first (llama.cpp: cells beyond the rows' own, default one context window;"
-                        " torch: default 8192); 0: no prefix cache")
+                   help="finished requests' K/V kept for later prompts that share a prefix, in tokens, least recently "
+                        "used evicted first (in host memory; llama.cpp default 32768, torch 8192); 0: no prefix cache")
     s.add_argument("--max-queue", type=at_least(0), default=64, help="requests waiting at most; more get HTTP 429")
     s.add_argument("--default-max-tokens", type=at_least(1), default=256, help="chat requests without max_tokens")
     s.add_argument("--max-body-bytes", type=at_least(1), default=None,

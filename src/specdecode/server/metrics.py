@@ -21,8 +21,11 @@ class Metrics:
                                     registry=r)
         self.prefix_tokens = Gauge("specdecode_prefix_cache_tokens", "Tokens the prefix cache's entries hold", registry=r)
         self.prefix_evictions = Gauge(
-            "specdecode_prefix_cache_evictions", "Entries evicted since start, least recently used first (reason=cells: "
-            "a pass found no free KV cells; reason=room: past the cache's bound)", ["reason"], registry=r)
+            "specdecode_prefix_cache_evictions", "Entries evicted since start, least recently used first, past the cache's "
+            "bound in entries or tokens", registry=r)
+        self.prefix_restore_failures = Gauge(
+            "specdecode_prefix_cache_restore_failures", "Prompts whose cached prefix found no free KV cells to go back "
+            "into (llama.cpp): read whole", registry=r)
         self.generation_tokens = Counter("specdecode_generation_tokens", "Tokens generated", registry=r)
         self.queue_length = Gauge("specdecode_queue_length", "Requests waiting to join the batch", registry=r)
         self.batch_size = Gauge("specdecode_batch_size", "Rows in the last verify pass", registry=r)
@@ -70,8 +73,8 @@ class Metrics:
             return
         self.prefix_entries.set(len(cache.entries))
         self.prefix_tokens.set(cache.tokens)
-        self.prefix_evictions.labels("cells").set(cache.stats.evicted_for_cells)
-        self.prefix_evictions.labels("room").set(cache.stats.evictions - cache.stats.evicted_for_cells)
+        self.prefix_evictions.set(cache.stats.evictions)
+        self.prefix_restore_failures.set(cache.stats.restore_failures)
 
     def record_step(self, report: StepReport, running: int, waiting: int) -> None:
         self.queue_length.set(waiting)
