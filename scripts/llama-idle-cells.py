@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""What the prefix cache's spares cost every pass on this CPU. Two engines on the llama.cpp backend in one process:
-one aged as a server's is (waves of 8 requests of 300-860 tokens whose finished rows stay as spares), one kept clean
-(spares dropped before each probe); probes alternate between them. A probe reads a 1,024-token prompt, then that
-prompt plus 256 new tokens (the 256 read at depth 1,024 beside the cached prefix, as a chat's next turn is) and
+"""What the prefix cache costs every pass on this CPU. Two engines on the llama.cpp backend in one process:
+one aged as a server's is (waves of 8 requests of 300-860 tokens whose finished rows the prefix cache keeps), one kept
+clean (its cache dropped before each probe); probes alternate between them. A probe reads a 1,024-token prompt, then
+that prompt plus 256 new tokens (the 256 read at depth 1,024 beside the cached prefix, as a chat's next turn is) and
 decodes 24 tokens; it reports the 256-token read and the median one-token pass. llama.cpp's attention visits every
-cell of the unified cache's used range for each query token (masked cells skipped one by one), so idle cells cost
-what the range spans: on the AMD EPYC (session 31) 9,552 spare tokens made reads 16-23 % and one-token passes 25-32 %
-dearer. A spare placed in a fresh cache (session 30's version of this script) measured nothing at 3,000 cells.
+cell of the unified cache's used range for each query token, so K/V left in the cache cost what the range spans: on
+the AMD EPYC, finished rows kept as spare sequences in the cache (9,552 tokens) made reads 12-29 % and one-token passes
+12-32 % dearer (sessions 31-32); copied out to host memory (session 32), 19,104 cached tokens cost nothing measurable.
 Not part of CI.
 
-Usage: .venv/bin/python scripts/llama-idle-cells.py [--waves 6] [--rounds 3] [--max-spare-tokens N] [--threads 2]
+Usage: .venv/bin/python scripts/llama-idle-cells.py [--waves 6] [--rounds 3] [--max-cached-tokens N] [--threads 2]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--waves", type=int, default=6, help="waves of 8 requests that age the first engine's cache")
     ap.add_argument("--rounds", type=int, default=3, help="probe pairs, the order alternating")
-    ap.add_argument("--max-spare-tokens", type=int, default=None, help="bound the aged engine's spares (default: none)")
+    ap.add_argument("--max-cached-tokens", type=int, default=None,
+                    help="bound the aged engine's prefix cache in tokens (default: the backend's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     args = ap.parse_args()
@@ -66,10 +67,11 @@ def main() -> None:
         return 1e3 * read, 1e3 * statistics.median(seconds for n, seconds in passes if n == 1)
 
     aged, clean = engine(), engine()
-    aged.backend.prefix_cache.max_tokens = args.max_spare_tokens
+    if args.max_cached_tokens is not None:
+        aged.backend.prefix_cache.max_tokens = args.max_cached_tokens
     for _ in range(args.waves):
         run(aged, [(torch.randint(1000, 30000, (1, 300 + 80 * i), generator=tokens), 4 + 4 * i) for i in range(8)])
-    print(f"aged engine: spares hold {aged.backend.prefix_cache.tokens} tokens in "
+    print(f"aged engine: its prefix cache holds {aged.backend.prefix_cache.tokens} tokens in "
           f"{len(aged.backend.prefix_cache.entries)} entries", flush=True)
     results: dict[str, list[tuple[float, float]]] = {"aged": [], "clean": []}
     for r in range(args.rounds):

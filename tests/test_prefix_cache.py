@@ -147,20 +147,45 @@ def test_llama_cpp_chat_turns_read_only_what_is_new(smol):
     assert backend.prefix_cache.stats.hits == 2
 
 
-def test_a_prefix_shared_one_token_too_far_is_caught(smol, monkeypatch):
+def counting(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts that share a prefix and part where the next number depends on the token after it."""
+    count = ", ".join(str(i) for i in range(1, 30))
+    first = tokenizer(f"Counting: {count}, ", return_tensors="pt").input_ids
+    return first, tokenizer(f"Counting: {count.replace('29', '70')}, 71, ", return_tensors="pt").input_ids
+
+
+def beside_a_running_row(backend, first: torch.Tensor, second: torch.Tensor, new: int):
+    """`first` runs (read and decoding) when `second` arrives -> both finished sequences."""
+    engine = BatchEngine(backend, None, max_batch=2)
+    a = engine.submit(first, max_new_tokens=new)
+    while backend.rows == 0:
+        engine.step()
+    b = engine.submit(second, max_new_tokens=new)
+    while engine.has_work:
+        engine.step()
+    return a, b
+
+
+@pytest.mark.parametrize("source", ["cached", "running"])
+def test_a_prefix_shared_one_token_too_far_is_caught(smol, monkeypatch, source):
     """Mutation: the shared prefix runs one token too far (the new row gets the cell of a token its prompt does not
-    have there). The output check above must fail on it."""
+    have there), from a cached entry or from a running row. The output check above must fail on it."""
     from specdecode.backends.llamacpp import LlamaCppBackend
 
     model, tokenizer = smol
     real = prefix.common_prefix
     monkeypatch.setattr(prefix, "common_prefix", lambda a, b: min(real(a, b) + 1, len(a), len(b)))
     cold = SpeculativeEngine(LlamaCppBackend(model, threads=2, prefix_cache=False), None)
-    warm = SpeculativeEngine(LlamaCppBackend(model, threads=2), None)
-    count = ", ".join(str(i) for i in range(1, 30))
-    warm.generate(tokenizer(f"Counting: {count}, ", return_tensors="pt").input_ids, max_new_tokens=4).result()
-    prompt = tokenizer(f"Counting: {count.replace('29', '70')}, 71, ", return_tensors="pt").input_ids
-    result = warm.generate(prompt, max_new_tokens=8).result()
+    first, prompt = counting(tokenizer)
+    if source == "cached":
+        warm = SpeculativeEngine(LlamaCppBackend(model, threads=2), None)
+        warm.generate(first, max_new_tokens=4).result()
+        result = warm.generate(prompt, max_new_tokens=8).result()
+    else:
+        backend = LlamaCppBackend(model, threads=2, max_rows=2)
+        _, seq = beside_a_running_row(backend, first, prompt, 8)
+        assert backend.prefix_cache.stats.shared_running == 1
+        result = seq.result
     assert result.stats.cached_prompt_tokens > 0
     with pytest.raises(AssertionError, match="not a near-tie"):
         assert_llama_cpps_own(cold.backend, prompt, result.token_ids, cold.generate(prompt, max_new_tokens=8).result().token_ids)
@@ -275,3 +300,20 @@ def test_llama_cpp_an_entry_stays_whole_beside_a_row_that_shares_its_prefix(smol
     again = engine.submit(first, max_new_tokens=6)
     engine.step()
     assert again.stats.cached_prompt_tokens == 69  # all but the last prompt token, whose logits are computed
+
+
+def test_llama_cpp_a_row_shares_a_running_rows_prefix_cells(smol):
+    """A prompt arriving while a row with the same prefix runs starts from that row's cells (no cached entry holds
+    them yet), and both answer as they would alone."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, tokenizer = smol
+    backend = LlamaCppBackend(model, threads=2, max_rows=2)
+    first, second = counting(tokenizer)
+    a, b = beside_a_running_row(backend, first, second, 8)
+    assert b.stats.cached_prompt_tokens == prefix.common_prefix(first[0], second[0]) >= prefix.MIN_SHARED
+    assert backend.prefix_cache.stats.shared_running == 1 and backend.prefix_cache.stats.hits == 0
+    cold = SpeculativeEngine(LlamaCppBackend(model, threads=2, prefix_cache=False), None)
+    for prompt, seq in ((first, a), (second, b)):
+        assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids,
+                              cold.generate(prompt, max_new_tokens=8).result().token_ids)

@@ -6,7 +6,8 @@ their row's sequence id and their own position, with logits asked for every real
 `llama_memory_seq_rm` past the kept prefix. A finished row's cells are copied out to host memory (the prefix cache,
 as llama-server's `--cache-ram`): cells left in the cache would cost every later pass, whose attention walks the
 cache's whole used range. A new row whose prompt shares a prefix with a saved one gets its cells back
-(`llama_state_seq_set_data`, milliseconds against seconds of reading) and reads only the rest. Chains only: a tree
+(`llama_state_seq_set_data`, milliseconds against seconds of reading), or shares a running row's cells where that
+row holds more of it (`llama_memory_seq_cp`, nothing copied), and reads only the rest. Chains only: a tree
 leaf would need a sequence of its own sharing the chain's cells (`llama_memory_seq_cp`), which is not built (see
 docs/results.md).
 """
@@ -23,7 +24,7 @@ import torch
 from .base import Backend, BackendError, RowReader, read_each
 from .llamaguard import vet
 from .llamaprobe import buffer_types
-from .prefix import MIN_SHARED, PrefixCache
+from .prefix import MIN_SHARED, PrefixCache, longest_shared
 
 PINNED = "llama-cpp-python==0.3.36"
 PREFIX_CACHE_TOKENS = 32768
@@ -166,6 +167,10 @@ class Context:
         """Drop the sequence's cells from position `start` on (-1: all of them)."""
         self.lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
+    def share(self, source: int, seq: int, length: int) -> None:
+        """The sequence `seq` (empty) gets the source's cells at positions 0..length-1 (the cells are shared)."""
+        self.lib.llama_memory_seq_cp(self.memory, source, seq, 0, length)
+
     def save(self, seq: int) -> np.ndarray:
         """The sequence's cells (positions, K and V) copied out to host memory."""
         size = self.lib.llama_state_seq_get_size(self.ctx, seq)
@@ -298,6 +303,11 @@ class LlamaCppBackend(Backend):
         self._reading.add(seq)
         if prompt is None or self.prefix_cache is None:
             return LlamaRowReader(self, seq)
+        row, running = longest_shared(enumerate(self._tokens), prompt[0].numpy())
+        if running > self.prefix_cache.shared(prompt[0].numpy()):  # cells shared: nothing copied
+            self.context.share(self._seqs[row], seq, running)
+            self.prefix_cache.stats.shared_running += 1
+            return LlamaRowReader(self, seq, prompt[0, :running].tolist())
         entry, shared = self.prefix_cache.find(prompt[0].numpy())
         if entry is None:
             return LlamaRowReader(self, seq)

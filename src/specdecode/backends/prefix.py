@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Iterable
 
 import numpy as np
 
@@ -17,6 +17,7 @@ class PrefixStats:
     hits: int = 0  # of them, rows started from a cached prefix
     cached_tokens: int = 0  # prompt tokens those rows did not read
     evictions: int = 0  # entries evicted, least recently used first
+    shared_running: int = 0  # rows started from a running row's cells instead (llama.cpp)
     restore_failures: int = 0  # entries found whose K/V found no free cells (llama.cpp): the prompt was read whole
 
 
@@ -31,6 +32,21 @@ def common_prefix(a, b) -> int:
 # Shorter shared prefixes are read again: they save next to nothing, and on llama.cpp a read of a few tokens runs other
 # kernels than a long one (logits 0.58 apart on SmolLM2's GGUF after a 2-token split; none after a 70-token one).
 MIN_SHARED = 16
+
+
+def longest_shared(held: Iterable[tuple[Hashable, np.ndarray | list[int]]],
+                   prompt: np.ndarray) -> tuple[Hashable | None, int]:
+    """Of (key, tokens) pairs, the key whose tokens share the longest prefix with the prompt, and how many tokens, at
+    most all but the prompt's last (whose logits the reader must compute). (None, 0) when none shares MIN_SHARED."""
+    best, best_len = None, 0
+    for key, tokens in held:
+        n = common_prefix(tokens, prompt)
+        if n > best_len:
+            best, best_len = key, n
+    best_len = min(best_len, len(prompt) - 1)
+    if best is None or best_len < MIN_SHARED:
+        return None, 0
+    return best, best_len
 
 
 class PrefixCache:
@@ -71,15 +87,7 @@ class PrefixCache:
         return self._longest(np.asarray(prompt))[1]
 
     def _longest(self, prompt: np.ndarray) -> tuple[Hashable | None, int]:
-        best, best_len = None, 0
-        for key, tokens in self.entries.items():
-            n = common_prefix(tokens, prompt)
-            if n > best_len:
-                best, best_len = key, n
-        best_len = min(best_len, len(prompt) - 1)
-        if best is None or best_len < MIN_SHARED:
-            return None, 0
-        return best, best_len
+        return longest_shared(self.entries.items(), prompt)
 
     def add(self, key: Hashable, tokens: list[int] | np.ndarray) -> list[Hashable]:
         """Hold `tokens` under `key` (the most recently used); returns the keys the backend must now free: entries
