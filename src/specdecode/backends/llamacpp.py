@@ -174,7 +174,9 @@ class Context:
     def save(self, seq: int) -> np.ndarray:
         """The sequence's cells (positions, K and V) copied out to host memory."""
         size = self.lib.llama_state_seq_get_size(self.ctx, seq)
-        state = np.empty(size, dtype=np.uint8)
+        # torch's allocator, not numpy's: numpy asks big arrays for huge pages, and their first touch compacted memory
+        # on a busy host (AMD EPYC: 60-88 ms for a fresh 30 MiB against 13-16 ms in ordinary pages)
+        state = torch.empty(size, dtype=torch.uint8).numpy()
         if self.lib.llama_state_seq_get_data(self.ctx, _bytes(state), size, seq) != size:
             raise BackendError(f"llama.cpp could not copy out sequence {seq}'s cells")
         return state
