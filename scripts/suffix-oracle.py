@@ -17,7 +17,7 @@ what the drafter leaves on the table; the gap between oracle and a measured run 
 drafts from the earlier answers too); `--depth` sets the trees' depth (a match of m tokens continues at most depth - m);
 `--alternatives` the runner-ups the drafter's tree holds (the product's 2: its chain is cut from that tree; 0: a path);
 `--no-chains` turns off the drafter's long exact chains (llama-server's `ngram-mod` rule: a 24-token context chaining
-48-64 tokens, source `suffix/chain`).
+48-64 tokens, source `suffix/chain`); `--belief-ms` seeds the controller with another table than the one passes cost.
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
         --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:63,4:0.1:63
@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="edits")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--pass-ms", required=True, help="width:ms,... (every-position pass costs)")
+    parser.add_argument("--belief-ms", default=None,
+                        help="width:ms,... the controller's calibration reads (default: --pass-ms); it learns the "
+                             "passes it runs at --pass-ms prices, as a server whose load minute was off does")
     parser.add_argument("--variants", default="1:0.1:63,4:0.1:63,64:0.1:63,64:0.0:63",
                         help="factor:floor:longest,... of the suffix drafter")
     parser.add_argument("--cross-request", action="store_true",
@@ -157,7 +160,8 @@ def main() -> None:
     totals = np.zeros((len(variants), 4))
     worst = [np.inf] * len(variants)
     plain_total = 0.0
-    controllers = [seeded_controller(cost, max(WIDEST, k + 1)) for *_, k in variants]
+    belief = pass_table(args.belief_ms, len(cost) - 1) if args.belief_ms else cost
+    controllers = [seeded_controller(belief, max(WIDEST, k + 1)) for *_, k in variants]
     fresh_chains = lambda: suffix.ContextChains(capacity=0 if args.no_chains else suffix.CHAIN_CONTEXTS)  # noqa: E731
     caches = [(suffix.shared_cache(), fresh_chains()) if args.cross_request else (None, None) for _ in variants]
     for row, prompt in enumerate(prompts):
