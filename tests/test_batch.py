@@ -275,6 +275,38 @@ def test_calibration_prices_wide_passes_as_they_run_not_as_the_first_one_did(tar
     assert measured == pytest.approx({w: 0.001 * w for w in widths(64)})
 
 
+@pytest.mark.parametrize("curve", ["sublinear", "linear"])
+def test_one_slow_narrow_pass_does_not_stop_the_timing_of_wider_ones(target, monkeypatch, curve):
+    """Widths past which a pass costs its width in plain passes are not timed (nothing wider could pay); that must be
+    decided on the faster of two timings. Here the first 2-wide pass hiccups (3x its price): on a curve where wide
+    passes are cheap every width is still timed, at its own price; on a linear curve the timing stops past 8."""
+    import importlib
+
+    from specdecode.backends import as_backend
+    from specdecode.control import AdaptiveK
+
+    calibrate_module = importlib.import_module("specdecode.control.calibrate")
+    cost = (lambda w: 0.030 + 0.005 * w) if curve == "sublinear" else (lambda w: 0.030 if w == 1 else 0.033 * w)
+    clock, timed = {"now": 0.0}, []
+    backend = as_backend(target)
+    forward = backend.forward
+
+    def timed_forward(tokens, widths, *args, **kwargs):
+        width = tokens.shape[1]
+        hiccup = 3.0 if width == 2 and width not in timed else 1.0
+        timed.append(width)
+        clock["now"] += cost(width) * hiccup
+        return forward(tokens, widths, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "forward", timed_forward)
+    monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    measured = calibrate_module.calibrate(AdaptiveK(max_k=8), backend, widest=64)["verify_s"]
+    if curve == "sublinear":
+        assert measured == pytest.approx({w: cost(w) for w in widths(64)})
+    else:
+        assert measured == pytest.approx({w: cost(w) for w in (1, 2, 4, 8)})
+
+
 def test_the_engine_measures_passes_and_the_draft_at_load(target, near_draft, monkeypatch):
     """An adaptive engine starts from this machine's costs (passes by width up to the widest batch pass it runs, a
     draft token, its reading), and the scratch row and the drafter's state are gone before the first request."""

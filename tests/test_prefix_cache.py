@@ -1,6 +1,7 @@
 """The prompt-prefix cache: a row started from a cached prefix (a finished row's K/V, copied out and put back on
-llama.cpp, kept as tensors on torch) decodes exactly what a cold row decodes — the next turn of a chat, a prefix that ends inside the chat template,
-a cache under memory pressure, a prefix evicted while the prompt after it is still being read."""
+llama.cpp, kept as tensors on torch; or a running row's cells, shared on llama.cpp) decodes exactly what a cold row
+decodes — the next turn of a chat, a prefix that ends inside the chat template, a cache under memory pressure, an
+entry with no free cells to go back into, a prefix evicted while the prompt after it is still being read."""
 
 import pytest
 import torch
@@ -281,7 +282,10 @@ def test_llama_cpp_an_entry_stays_whole_beside_a_row_that_shares_its_prefix(smol
 
     model, _ = smol
     backend = LlamaCppBackend(model, threads=2, max_rows=2)
-    used = lambda: sum(max(0, model.lib.llama_memory_seq_pos_max(backend.context.memory, s) + 1) for s in range(2))  # noqa: E731
+
+    def used() -> int:  # cells the rows' sequences hold
+        return sum(max(0, model.lib.llama_memory_seq_pos_max(backend.context.memory, s) + 1) for s in range(2))
+
     engine = BatchEngine(backend, None, max_batch=2)
     shared = random_prompt(3, 40, 49152)
     first = torch.cat([shared, random_prompt(4, 30, 49152)], 1)

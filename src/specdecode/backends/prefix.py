@@ -18,7 +18,7 @@ class PrefixStats:
     cached_tokens: int = 0  # prompt tokens those rows did not read
     evictions: int = 0  # entries evicted, least recently used first
     shared_running: int = 0  # rows started from a running row's cells instead (llama.cpp)
-    restore_failures: int = 0  # entries found whose K/V found no free cells (llama.cpp): the prompt was read whole
+    restore_failures: int = 0  # entries found with no free cells to go back into (llama.cpp): the prompt was read whole
 
 
 def common_prefix(a, b) -> int:
