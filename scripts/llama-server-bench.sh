@@ -5,7 +5,7 @@
 # load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them. 24 prompts (4 per
 # task) by default: 3 levels x 8 requests, none a repeat of an earlier one.
 # Needs the tools of scripts/build-llama-server.sh. Not part of CI.
-# Usage: [ONLY="llama-server specdecode"] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
+# Usage: [ONLY="llama-server specdecode"] [LOGLEVEL=debug: our server logs every step] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
 # The venv's install is editable: a server started mid-run imports the checkout as it is then. To edit while it runs,
 # bench a worktree: git worktree add /tmp/wt HEAD; SPECDECODE="env PYTHONPATH=/tmp/wt/src .venv/bin/specdecode" ...
 # e.g. conversations: ... bench-out/chat 1 --traffic chat --turns 4 --concurrency 1 --requests 3 --prompts edits
@@ -26,9 +26,9 @@ declare -A SERVERS=(
   [llama-server]="${LLAMA[*]}"
   [llama-server-draft]="${LLAMA[*]} -md $DRAFT --spec-type draft-simple -td $THREADS -tbd $THREADS"
   [llama-server-ngram-mod]="${LLAMA[*]} --spec-type ngram-mod"
-  [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level info --port $PORT"
+  [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level ${LOGLEVEL:-info} --port $PORT"
   # no drafter: what serving costs beside llama-server plain, speculation apart
-  [specdecode-plain]="$SD serve --target qwen2.5-coder-1.5b --draft none --backend llama.cpp --threads $THREADS --max-batch 8 --log-level info --port $PORT"
+  [specdecode-plain]="$SD serve --target qwen2.5-coder-1.5b --draft none --backend llama.cpp --threads $THREADS --max-batch 8 --log-level ${LOGLEVEL:-info} --port $PORT"
 )
 NAMES=${ONLY:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # which, in the first round's order
 PID=
