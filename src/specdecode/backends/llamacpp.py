@@ -305,14 +305,14 @@ class LlamaCppBackend(Backend):
         self._reading.add(seq)
         if prompt is None or self.prefix_cache is None:
             return LlamaRowReader(self, seq)
-        row, running = longest_shared(enumerate(self._tokens), prompt[0].numpy())
-        if running > self.prefix_cache.shared(prompt[0].numpy()):  # cells shared: nothing copied
-            self.context.share(self._seqs[row], seq, running)
-            self.prefix_cache.stats.shared_running += 1
-            return LlamaRowReader(self, seq, prompt[0, :running].tolist())
-        entry, shared = self.prefix_cache.find(prompt[0].numpy())
+        tokens = prompt[0].numpy()
+        row, running = longest_shared(enumerate(self._tokens), tokens)
+        entry, shared = self.prefix_cache.find(tokens, at_least=running)
         if entry is None:
-            return LlamaRowReader(self, seq)
+            if running:  # a running row holds the most of it: its cells are shared, nothing copied
+                self.context.share(self._seqs[row], seq, running)
+                self.prefix_cache.stats.shared_running += 1
+            return LlamaRowReader(self, seq, prompt[0, :running].tolist())
         if not self.context.restore(self._saved[entry], seq):
             self.prefix_cache.unserved(shared)
             return LlamaRowReader(self, seq)

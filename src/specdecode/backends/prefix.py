@@ -64,12 +64,13 @@ class PrefixCache:
     def tokens(self) -> int:
         return sum(len(tokens) for tokens in self.entries.values())
 
-    def find(self, prompt: list[int] | np.ndarray) -> tuple[Hashable | None, int]:
+    def find(self, prompt: list[int] | np.ndarray, at_least: int = 0) -> tuple[Hashable | None, int]:
         """The entry sharing the longest prefix with the prompt, and how many tokens it shares, at most all but the
-        prompt's last (whose logits the reader must compute). (None, 0) when none shares MIN_SHARED tokens."""
+        prompt's last (whose logits the reader must compute). (None, 0) when none shares MIN_SHARED tokens, or
+        `at_least` (what the backend holds elsewhere)."""
         self.stats.lookups += 1
         best, best_len = self._longest(np.asarray(prompt))
-        if best is None:
+        if best is None or best_len < at_least:
             return None, 0
         self.entries.move_to_end(best)
         self.stats.hits += 1
