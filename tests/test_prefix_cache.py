@@ -321,3 +321,61 @@ def test_llama_cpp_a_row_shares_a_running_rows_prefix_cells(smol):
     for prompt, seq in ((first, a), (second, b)):
         assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids,
                               cold.generate(prompt, max_new_tokens=8).result().token_ids)
+
+
+def burst(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts with one long prefix (155 tokens) and tails of their own (26 and 57 tokens)."""
+    count = ", ".join(str(i) for i in range(1, 41))
+    first = tokenizer(f"Counting: {count}, then the letters: a, b, c, d, e, f, g, h, i, j, k, l", return_tensors="pt")
+    second = tokenizer(f"Counting: {count}, then down from 99: 99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89, 88, 87",
+                       return_tensors="pt")
+    return first.input_ids, second.input_ids
+
+
+def test_llama_cpp_a_row_shares_the_cells_of_a_row_being_read(smol):
+    """A row opened while another is still being read starts from the cells that one has read of their shared prefix,
+    and keeps them when the other is discarded; its logits are those of a cold row read in the same pieces."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, tokenizer = smol
+    first, second = burst(tokenizer)
+    backend = LlamaCppBackend(model, threads=2, max_rows=2)
+    reader = backend.open_row(first)
+    reader.read(first[:, :100])
+    assert backend.to_read(second) == second.shape[1] - 100
+    other = backend.open_row(second)
+    assert other.cached == 100 and backend.prefix_cache.stats.shared_running == 1
+    reader.read(first[:, 100:])
+    reader.discard()
+    got = other.read(second[:, 100:])
+    cold = LlamaCppBackend(model, threads=2, prefix_cache=False).open_row()
+    cold.read(second[:, :100])
+    expected = cold.read(second[:, 100:])
+    assert (got - expected).abs().max() < 1e-3
+
+
+def test_llama_cpp_a_prompt_waits_for_the_reading_of_its_prefix(smol):
+    """A row runs; two prompts with one long prefix that nothing holds yet arrive together and are read in chunks
+    beside it. The second is not opened while the first has read only part of that prefix (it would read the rest
+    again): it starts from all of it, and every answer is the one read cold."""
+    from specdecode.backends.llamacpp import LlamaCppBackend
+
+    model, tokenizer = smol
+    first, second = burst(tokenizer)
+    shared = prefix.common_prefix(first[0], second[0])
+    # chunks of 64: the first's reading leaves room in its third step, when it holds 128 of the 155 shared tokens
+    assert shared - 128 >= prefix.MIN_SHARED and first.shape[1] - 128 < 64
+    backend = LlamaCppBackend(model, threads=2, max_rows=3)
+    engine = BatchEngine(backend, None, max_batch=3, prefill_chunk=64)
+    runner = engine.submit(tokenizer("Numbers: 100, 101, 102, ", return_tensors="pt").input_ids, max_new_tokens=48)
+    while backend.rows == 0:
+        engine.step()
+    a, b = engine.submit(first, max_new_tokens=8), engine.submit(second, max_new_tokens=8)
+    while engine.has_work:
+        engine.step()
+    assert len(runner.result.token_ids) == 48  # it ran beside both readings
+    assert b.stats.cached_prompt_tokens == shared and backend.prefix_cache.stats.shared_running == 1
+    cold = SpeculativeEngine(LlamaCppBackend(model, threads=2, prefix_cache=False), None)
+    for prompt, seq in ((first, a), (second, b)):
+        assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids,
+                              cold.generate(prompt, max_new_tokens=8).result().token_ids)

@@ -21,6 +21,7 @@ import torch
 
 from .backends import Backend, as_backend
 from .backends.base import RowReader, read_each
+from .backends.prefix import MIN_SHARED, common_prefix
 from .control import AdaptiveK, calibrate
 from .control.calibrate import WIDEST
 from .control.costs import Ema
@@ -490,21 +491,37 @@ class BatchEngine:
         """The waiting request with the fewest prompt tokens to read, of the first SHORTEST_AMONG (a short prompt's
         first token does not wait for a long one's reading, and its row decodes cheaply beside that reading), the
         oldest first among equals; a request passed over max_batch times goes next (no prompt starves behind a stream
-        of short ones)."""
+        of short ones). One that waits for a reading (`_waits_for_reading`) is not opened yet."""
         with self._lock:
-            if not self._pending:
+            ready = []
+            for seq in islice(self._pending, SHORTEST_AMONG):
+                to_read = self.backend.to_read(seq.prompt)
+                if not self._waits_for_reading(seq, to_read):
+                    ready.append((to_read, seq))
+            if not ready:
                 return None
             oldest = self._pending[0]
-            if oldest.overtaken >= self.max_batch:
+            if oldest.overtaken >= self.max_batch and ready[0][1] is oldest:
                 chosen = oldest
             else:  # min keeps the first of equals
-                chosen = min(islice(self._pending, SHORTEST_AMONG), key=lambda seq: self.backend.to_read(seq.prompt))
+                chosen = min(ready, key=lambda pair: pair[0])[1]
             for seq in self._pending:
                 if seq is chosen:
                     break
                 seq.overtaken += 1
             self._pending.remove(chosen)
         return chosen
+
+    def _waits_for_reading(self, seq: Sequence, to_read: int) -> bool:
+        """Whether a row being read will hold MIN_SHARED more of this prompt than anything holds now, on a backend
+        whose new rows share those cells: opened once that reading is done, the prompt reads only the rest (a burst
+        of requests with one long system prompt, or one file, arriving beside running rows reads it once)."""
+        if not self.backend.shares_rows:
+            return False
+        length = seq.prompt.shape[1]
+        held = length - to_read
+        return any(min(common_prefix(seq.prompt[0], other.prompt[0]), length - 1) - held >= MIN_SHARED
+                   for other, _ in self._reading)
 
     def _drop_reading(self, i: int, report: StepReport, reason: str | None = None) -> None:
         seq, reader = self._reading.pop(i)

@@ -65,6 +65,9 @@ class Backend(ABC):
     # `forward(..., pad_to=n)` runs a one-row pass at n positions, the extra ones asking for no logits and dropped at
     # `keep`: where a wider pass measures cheaper (llama.cpp's matmuls run whole tiles of positions)
     pads_passes: bool = False
+    # A row opened now starts from the cells of a running row, or of one being read, that hold a prefix of its prompt
+    # (nothing copied): a prompt that shares a prefix with one being read reads less if opened after that reading.
+    shares_rows: bool = False
 
     @property
     def near_tie_gap(self) -> float:
@@ -124,7 +127,8 @@ class Backend(ABC):
         (`reader.cached` positions are in place: read prompt[:, reader.cached:])."""
 
     def to_read(self, prompt: torch.Tensor) -> int:
-        """Tokens of a prompt [1, L] a row opened now would read (what the prefix cache holds of it is not read)."""
+        """Tokens of a prompt [1, L] a row opened now would read (what the prefix cache, or where `shares_rows` a row,
+        holds of it is not read)."""
         return prompt.shape[1] - (self.prefix_cache.shared(prompt[0].numpy()) if self.prefix_cache is not None else 0)
 
     def drop_cached_prefixes(self) -> None:

@@ -219,13 +219,13 @@ class LlamaRowReader(RowReader):
         return logits
 
     def join(self) -> None:
-        self.backend._reading.discard(self.seq)
+        del self.backend._readers[self.seq]
         self.backend._seqs.append(self.seq)
         self.backend._tokens.append(self.tokens)
 
     def discard(self) -> None:
         self.backend.context.forget(self.seq)
-        self.backend._reading.discard(self.seq)
+        del self.backend._readers[self.seq]
 
 
 class LlamaCppBackend(Backend):
@@ -251,7 +251,7 @@ class LlamaCppBackend(Backend):
         room = self.context_window if prefix_cache else 0
         self.context = Context(self.model, threads, self.context_window, max_rows, max_pass, room)
         self._seqs: list[int] = []  # row -> sequence id
-        self._reading: set[int] = set()  # sequence ids of rows being read (open_row), not yet joined
+        self._readers: dict[int, LlamaRowReader] = {}  # sequence id -> a row being read (open_row), not yet joined
         self._tokens: list[list[int]] = []  # row -> the tokens its cells hold
         self._pending: list[list[int]] | None = None  # row -> its inputs in the pass not yet kept
         self._padded = False  # the pending pass ran padded: its extra cells go at `keep`
@@ -298,26 +298,44 @@ class LlamaCppBackend(Backend):
     def length(self, row: int) -> int:
         return len(self._tokens[row])
 
+    @property
+    def shares_rows(self) -> bool:  # part of the prefix cache: off with it
+        return self.prefix_cache is not None
+
     def open_row(self, prompt: torch.Tensor | None = None) -> "LlamaRowReader":
-        if len(self._seqs) + len(self._reading) >= self.max_rows:
+        if len(self._seqs) + len(self._readers) >= self.max_rows:
             raise BackendError(f"this llama.cpp context holds {self.max_rows} rows")
-        seq = min(set(range(self.max_rows)) - set(self._seqs) - self._reading)
-        self._reading.add(seq)
+        seq = min(set(range(self.max_rows)) - set(self._seqs) - set(self._readers))
         if prompt is None or self.prefix_cache is None:
-            return LlamaRowReader(self, seq)
+            reader = self._readers[seq] = LlamaRowReader(self, seq)
+            return reader
         tokens = prompt[0].numpy()
-        row, running = longest_shared(enumerate(self._tokens), tokens)
-        entry, shared = self.prefix_cache.find(tokens, at_least=running)
+        source, held = longest_shared(self._held(), tokens)
+        entry, shared = self.prefix_cache.find(tokens, at_least=held)
         if entry is None:
-            if running:  # a running row holds the most of it: its cells are shared, nothing copied
-                self.context.share(self._seqs[row], seq, running)
+            if held:  # a running row or one being read holds the most of it: its cells are shared, nothing copied
+                self.context.share(source, seq, held)
                 self.prefix_cache.stats.shared_running += 1
-            return LlamaRowReader(self, seq, prompt[0, :running].tolist())
-        if not self.context.restore(self._saved[entry], seq):
+            reader = LlamaRowReader(self, seq, prompt[0, :held].tolist())
+        elif not self.context.restore(self._saved[entry], seq):
             self.prefix_cache.unserved(shared)
-            return LlamaRowReader(self, seq)
-        self.context.forget(seq, shared)
-        return LlamaRowReader(self, seq, prompt[0, :shared].tolist())
+            reader = LlamaRowReader(self, seq)
+        else:
+            self.context.forget(seq, shared)
+            reader = LlamaRowReader(self, seq, prompt[0, :shared].tolist())
+        self._readers[seq] = reader
+        return reader
+
+    def to_read(self, prompt: torch.Tensor) -> int:
+        if self.prefix_cache is None:
+            return prompt.shape[1]
+        tokens = prompt[0].numpy()
+        return prompt.shape[1] - max(self.prefix_cache.shared(tokens), longest_shared(self._held(), tokens)[1])
+
+    def _held(self):
+        """(sequence id, the tokens its cells hold) of the rows and of the rows being read."""
+        yield from zip(self._seqs, self._tokens)
+        yield from ((seq, reader.tokens) for seq, reader in self._readers.items())
 
     def drop_cached_prefixes(self) -> None:
         if self.prefix_cache is not None:

@@ -17,7 +17,7 @@ class PrefixStats:
     hits: int = 0  # of them, rows started from a cached prefix
     cached_tokens: int = 0  # prompt tokens those rows did not read
     evictions: int = 0  # entries evicted, least recently used first
-    shared_running: int = 0  # rows started from a running row's cells instead (llama.cpp)
+    shared_running: int = 0  # rows started from the cells of a running row or one being read instead (llama.cpp)
     restore_failures: int = 0  # entries found with no free cells to go back into (llama.cpp): the prompt was read whole
 
 
