@@ -2,11 +2,17 @@
 `bench --endpoint` at N concurrent clients starts a level. Compares the engine as it is with a variant (--vs):
 `apart`, prompt chunks read in a decode of their own beside the rows' pass instead of in the rows' own; `unpriced`,
 drafts priced as if the pass read no prompt beside the rows; `chunk:N`, N prompt tokens a step (`--chunk` fixes the
-engine's own, default measured); `none`, the engine as is alone (to compare two trees run one after the other). Alternates the order each round; a fresh engine and
-drafter each run (no drafts from an earlier run's answers), prefix cache emptied.
+engine's own, default measured); `reread`, a prompt neither waits for the reading of a prefix it shares nor starts
+from the cells of a row still being read (each reads what it shares again); `none`, the engine as is alone (to compare
+two trees run one after the other). Alternates the order each round; a fresh engine and drafter each run (no drafts
+from an earlier run's answers), prefix cache emptied.
 
-  .venv/bin/python scripts/burst.py [--vs apart|unpriced|chunk:N] [--chunk N] [--requests 8] [--rounds 2] [--max-new-tokens 64]
-                                    [--draft auto|none]
+`--traffic agent` makes the burst agent requests (bench --traffic agent: one file of the edit prompts' code, then
+each edit); `--running N` starts N fresh requests first and sends the burst once they decode (a burst arriving beside
+running rows); the run then ends when the burst is answered.
+
+  .venv/bin/python scripts/burst.py [--vs apart|unpriced|chunk:N|reread|none] [--chunk N] [--requests 8] [--rounds 2]
+                                    [--max-new-tokens 64] [--draft auto|none] [--traffic fresh|agent] [--running N]
 
 Prints per run: wall, tok/s, TTFT p50 / max, when the last prompt was read, and per step what it read.
 """
@@ -18,6 +24,7 @@ import time
 import torch
 
 from specdecode.batch import BatchEngine
+from specdecode.bench.load import agent_requests
 from specdecode.encoding import encode_chat, eos_token_ids
 from specdecode.pipeline import load_components
 from specdecode.prompts import load_prompts
@@ -34,16 +41,32 @@ parser.add_argument("--threads", type=int, default=2)
 parser.add_argument("--vs", default="apart", help="apart, unpriced, chunk:N or none (the engine as is only)")
 parser.add_argument("--chunk", type=int, default=None, help="prompt tokens a step as is (default: measured)")
 parser.add_argument("--verbose", action="store_true", help="print every step that read a prompt")
+parser.add_argument("--traffic", choices=("fresh", "agent"), default="fresh")
+parser.add_argument("--running", type=int, default=0, help="fresh requests decoding when the burst arrives")
 args = parser.parse_args()
 
 draft = None if args.draft == "none" else args.draft
 model, tok, _, k, adaptive = load_components(args.target, None, backend="llama.cpp", threads=args.threads,
-                                             max_rows=args.requests, adaptive=draft is not None)
+                                             max_rows=args.requests + args.running, adaptive=draft is not None)
 stop = StopCondition(eos_token_ids(model, tok), (), tok)
 # As `bench --endpoint --per-task 4 --requests 8` gives its third level (concurrency 8, one round): prompts 16-23
-texts = [p.text for p in load_prompts(per_task=4)][args.first : args.first + args.requests]
-prompts = [torch.tensor([encode_chat(tok, [{"role": "user", "content": text}])]) for text in texts]
-print(f"{model.describe()}; prompts of {sorted(p.shape[1] for p in prompts)} tokens; {args.max_new_tokens} new")
+fresh = [p.text for p in load_prompts(per_task=4)]
+if args.traffic == "agent":
+    # the file of `bench --traffic agent --prompts edits --per-task 8` (1,484 tokens), or more
+    burst = agent_requests([p.text for p in load_prompts("edits", per_task=max(8, args.requests))])[: args.requests]
+else:
+    burst = [[{"role": "user", "content": text}] for text in fresh[args.first : args.first + args.requests]]
+prompts = [torch.tensor([encode_chat(tok, messages)]) for messages in burst]
+running = [torch.tensor([encode_chat(tok, [{"role": "user", "content": text}])]) for text in fresh[: args.running]]
+print(f"{model.describe()}; prompts of {sorted(p.shape[1] for p in prompts)} tokens; {args.max_new_tokens} new; "
+      f"{args.running} running")
+
+
+def reread(engine) -> None:
+    """Each prompt reads what it shares with one still being read (the engine before it waited, or shared those
+    cells)."""
+    engine._waits_for_reading = lambda seq, to_read: False
+    model._held = lambda: zip(model._seqs, model._tokens)
 
 
 def run(variant: bool) -> dict:
@@ -51,16 +74,23 @@ def run(variant: bool) -> dict:
     model.drop_cached_prefixes()
     drafter = model.make_drafter(draft, tokenizer=tok, threads=args.threads) if draft else None
     chunk = int(args.vs.split(":")[1]) if variant and args.vs.startswith("chunk:") else args.chunk
-    engine = BatchEngine(model, drafter, tok, k=k, adaptive=adaptive, max_batch=args.requests, prefill_chunk=chunk)
+    engine = BatchEngine(model, drafter, tok, k=k, adaptive=adaptive, max_batch=args.requests + args.running,
+                         prefill_chunk=chunk)
+    if variant and args.vs == "reread":
+        reread(engine)
     if variant and args.vs == "unpriced":
         plan = engine.controller.plan_step
         engine.controller.plan_step = lambda rows, trees, reading=0: plan(rows, trees)
+    runners = [engine.submit(p, max_new_tokens=4 * args.max_new_tokens + 256) for p in running]
+    while model.rows < len(runners):
+        engine.step()
     start = time.perf_counter()
     seqs = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in prompts]
     first: dict[int, float] = {}
-    read_until = 0.0
-    while engine.has_work:
+    read_until, read = 0.0, 0
+    while not all(seq.finished for seq in seqs):
         report = engine.step()
+        read += report.prefill_tokens
         now = time.perf_counter() - start
         for seq, _ in report.events:
             first.setdefault(id(seq), now)
@@ -71,9 +101,14 @@ def run(variant: bool) -> dict:
                       f"{report.rows} width {report.width} draft {report.draft_s:.2f}s verify {report.verify_s:.2f}s step "
                       f"{report.step_s:.2f}s")
     wall = time.perf_counter() - start
+    for seq in runners:
+        seq.cancel()
+    while engine.has_work:
+        engine.step()
     tokens = sum(len(s.result.token_ids) for s in seqs)
-    ttft = sorted(first.values())
+    ttft = sorted(first.get(id(seq), wall) for seq in seqs)
     return dict(wall=wall, tps=tokens / wall, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1], read=read_until,
+                tokens_read=read, cached=sum(s.stats.cached_prompt_tokens for s in seqs),
                 drafted=sum(s.stats.drafted_tokens for s in seqs), accepted=sum(s.stats.accepted_tokens for s in seqs))
 
 
@@ -85,7 +120,8 @@ for r in range(args.rounds):
         rows.append((variant, result))
         print(f"round {r + 1} {names[variant]:>8}: wall {result['wall']:6.1f} s, "
               f"{result['tps']:5.2f} tok/s, TTFT p50 {result['ttft_p50']:5.1f} s max {result['ttft_max']:5.1f} s, "
-              f"reading done at {result['read']:5.1f} s, drafted {result['drafted']} accepted {result['accepted']}",
+              f"reading done at {result['read']:5.1f} s ({result['tokens_read']} tokens read, the burst's cached "
+              f"{result['cached']}), drafted {result['drafted']} accepted {result['accepted']}",
               flush=True)
 for variant in (False,) if args.vs == "none" else (False, True):
     walls = [res["wall"] for v, res in rows if v == variant]
