@@ -379,24 +379,3 @@ def test_llama_cpp_a_prompt_waits_for_the_reading_of_its_prefix(smol):
     for prompt, seq in ((first, a), (second, b)):
         assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids,
                               cold.generate(prompt, max_new_tokens=8).result().token_ids)
-
-
-def test_the_prompt_tokens_left_to_read_leave_out_what_the_cache_holds(smol):
-    """The chunk read beside running rows is sized by the prompt tokens left to read: a next turn that re-sends a
-    history the cache holds counts only its new part (counted whole, every later turn looked like a burst and was read
-    512 tokens a step)."""
-    from specdecode.backends.llamacpp import LlamaCppBackend
-    from specdecode.batch import MAX_PREFILL_CHUNK
-
-    model, tokenizer = smol
-    backend = LlamaCppBackend(model, threads=2, max_rows=2)
-    engine = BatchEngine(backend, None, max_batch=2)
-    count = ", ".join(str(i) for i in range(1, 160))
-    history = tokenizer(f"Counting: {count}, ", return_tensors="pt").input_ids
-    engine.submit(history, max_new_tokens=2)
-    while engine.has_work:
-        engine.step()
-    turn = torch.cat([history, tokenizer("160, 161, 162, 163, 164", return_tensors="pt").input_ids], 1)
-    assert turn.shape[1] >= MAX_PREFILL_CHUNK
-    engine.submit(turn, max_new_tokens=2)
-    assert engine._prompt_tokens_waiting() == backend.to_read(turn) <= turn.shape[1] - history.shape[1] + 1

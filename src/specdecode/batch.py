@@ -424,11 +424,8 @@ class BatchEngine:
         return reads
 
     def _prompt_tokens_waiting(self) -> int:
-        """Prompt tokens left to read, the queue's and those being read. What the backend holds of a queued prompt is
-        not counted (a chat's next turn re-sends a history it holds), looked up for the first SHORTEST_AMONG."""
         with self._lock:
-            queued = sum(self.backend.to_read(seq.prompt) if i < SHORTEST_AMONG else seq.prompt.shape[1]
-                         for i, seq in enumerate(self._pending))
+            queued = sum(seq.prompt.shape[1] for seq in self._pending)
         return queued + sum(seq.prompt.shape[1] - seq.prompt_read for seq, _ in self._reading)
 
     def _read_one_whole(self, report: StepReport) -> None:
