@@ -1,7 +1,8 @@
 """The prompt-prefix cache: a row started from a cached prefix (a finished row's K/V, copied out and put back on
-llama.cpp, kept as tensors on torch; or a running row's cells, shared on llama.cpp) decodes exactly what a cold row
-decodes — the next turn of a chat, a prefix that ends inside the chat template, a cache under memory pressure, an
-entry with no free cells to go back into, a prefix evicted while the prompt after it is still being read."""
+llama.cpp, kept as tensors on torch; or the cells of a running row or one still being read, shared on llama.cpp)
+decodes exactly what a cold row decodes — the next turn of a chat, a prefix that ends inside the chat template, a cache
+under memory pressure, an entry with no free cells to go back into, a prefix evicted while the prompt after it is still
+being read, a prompt waiting for the reading of the prefix it shares."""
 
 import pytest
 import torch

@@ -425,8 +425,7 @@ class BatchEngine:
 
     def _prompt_tokens_waiting(self) -> int:
         """Prompt tokens of the queue and those being read, counted whole: a chat turn re-sending a cached history
-        then reads 512 tokens a step; counting only what is left to read made turns wait longer for no gain in tok/s
-        or p99 (docs/results.md, session 33)."""
+        then reads 512 tokens a step, which measured better than rows-sized chunks (docs/results.md)."""
         with self._lock:
             queued = sum(seq.prompt.shape[1] for seq in self._pending)
         return queued + sum(seq.prompt.shape[1] - seq.prompt_read for seq, _ in self._reading)
