@@ -380,3 +380,50 @@ def test_llama_cpp_a_prompt_waits_for_the_reading_of_its_prefix(smol):
     for prompt, seq in ((first, a), (second, b)):
         assert_llama_cpps_own(cold.backend, prompt, seq.result.token_ids,
                               cold.generate(prompt, max_new_tokens=8).result().token_ids)
+
+
+@pytest.mark.parametrize("source", ["being read", "running"])
+def test_torch_a_row_starts_from_the_kv_of_a_row_that_holds_its_prefix(target, source):
+    """On torch too a new row starts from a copy of the K/V of a row that holds a prefix of its prompt, running or
+    still being read (8-token chunks beside a running row), and every row answers as it would alone, exactly."""
+    backend = TorchBackend(target)
+    engine = BatchEngine(backend, None, max_batch=3, prefill_chunk=8)
+    runner = engine.submit(random_prompt(5, 12), max_new_tokens=40)
+    while backend.rows == 0:
+        engine.step()
+    head = random_prompt(7, 30)
+    first, second = torch.cat([head, random_prompt(8, 6)], 1), torch.cat([head, random_prompt(9, 10)], 1)
+    a = engine.submit(first, max_new_tokens=8)
+    if source == "running":
+        while backend.rows < 2:
+            engine.step()
+    b = engine.submit(second, max_new_tokens=8)
+    while engine.has_work:
+        engine.step()
+    assert len(runner.result.token_ids) == 40  # it ran beside both readings
+    # being read: the first's last chunk leaves room when it holds 32 tokens, all of the shared ones
+    assert b.stats.cached_prompt_tokens == prefix.common_prefix(first[0], second[0]) >= 30
+    assert backend.prefix_cache.stats.shared_running == 1 and backend.prefix_cache.stats.hits == 0
+    cold = BatchEngine(TorchBackend(target, prefix_cache=False), None)
+    for prompt, seq in ((first, a), (second, b)):
+        alone, = cold.generate_all([dict(input_ids=prompt, max_new_tokens=8)])
+        assert seq.result.token_ids == alone.result.token_ids
+
+
+@pytest.mark.parametrize("source", ["being read", "running"])
+def test_torch_logits_from_a_rows_kv_equal_a_cold_reading(target, source):
+    """The copy a new row starts from is the shared prefix's K/V, no token more or less: the logits after its prompt
+    equal a cold row's (to float rounding; a token's K/V off by one position moves them by far more)."""
+    backend = TorchBackend(target)
+    head = random_prompt(7, 30)
+    first, second = torch.cat([head, random_prompt(8, 6)], 1), torch.cat([head, random_prompt(9, 10)], 1)
+    shared = prefix.common_prefix(first[0], second[0])
+    if source == "running":
+        backend.add_row(first)
+    else:
+        backend.open_row(first).read(first)
+    reader = backend.open_row(second)
+    assert reader.cached == shared >= 30
+    got = reader.read(second[:, shared:])
+    expected = TorchBackend(target, prefix_cache=False).open_row().read(second)
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()

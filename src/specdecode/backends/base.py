@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Hashable, Iterator, Protocol
 
 import torch
 
-from .prefix import PrefixCache
+from .prefix import PrefixCache, longest_shared
 
 if TYPE_CHECKING:
     from ..drafters.base import Drafter
@@ -65,8 +65,8 @@ class Backend(ABC):
     # `forward(..., pad_to=n)` runs a one-row pass at n positions, the extra ones asking for no logits and dropped at
     # `keep`: where a wider pass measures cheaper (llama.cpp's matmuls run whole tiles of positions)
     pads_passes: bool = False
-    # A row opened now starts from the cells of a running row, or of one being read, that hold a prefix of its prompt
-    # (nothing copied): a prompt that shares a prefix with one being read reads less if opened after that reading.
+    # A row opened now starts from the K/V of a running row, or of one being read, that hold a prefix of its prompt:
+    # a prompt that shares a prefix with one being read reads less if opened after that reading.
     shares_rows: bool = False
 
     @property
@@ -129,7 +129,15 @@ class Backend(ABC):
     def to_read(self, prompt: torch.Tensor) -> int:
         """Tokens of a prompt [1, L] a row opened now would read (what the prefix cache, or where `shares_rows` a row,
         holds of it is not read)."""
-        return prompt.shape[1] - (self.prefix_cache.shared(prompt[0].numpy()) if self.prefix_cache is not None else 0)
+        if self.prefix_cache is None:
+            return prompt.shape[1]
+        tokens = prompt[0].numpy()
+        held = longest_shared(self._held(), tokens)[1] if self.shares_rows else 0
+        return prompt.shape[1] - max(self.prefix_cache.shared(tokens), held)
+
+    def _held(self) -> Iterator[tuple[Hashable, list[int]]]:
+        """(key, the tokens it holds) of each row and row being read whose K/V a new row can start from."""
+        return iter(())
 
     def drop_cached_prefixes(self) -> None:
         """Forget every cached prefix (a benchmark starts each prompt cold)."""

@@ -326,14 +326,7 @@ class LlamaCppBackend(Backend):
         self._readers[seq] = reader
         return reader
 
-    def to_read(self, prompt: torch.Tensor) -> int:
-        if self.prefix_cache is None:
-            return prompt.shape[1]
-        tokens = prompt[0].numpy()
-        return prompt.shape[1] - max(self.prefix_cache.shared(tokens), longest_shared(self._held(), tokens)[1])
-
-    def _held(self):
-        """(sequence id, the tokens its cells hold) of the rows and of the rows being read."""
+    def _held(self):  # keyed by sequence id
         yield from zip(self._seqs, self._tokens)
         yield from ((seq, reader.tokens) for seq, reader in self._readers.items())
 

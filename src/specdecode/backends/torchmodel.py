@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .base import Backend, RowReader, chain_offsets
-from .prefix import PrefixCache
+from .prefix import PrefixCache, longest_shared
 
 PREFIX_CACHE_TOKENS = 8192  # K/V of finished rows kept for later prompts (Qwen 1.5B in bf16: 28 kB a token)
 PREFIX_CACHE_ENTRIES = 8
@@ -76,10 +76,12 @@ class TorchRowReader(RowReader):
         return logits
 
     def join(self) -> None:
+        self.backend._readers.discard(self)
         self.backend._join(self.cache, self.tokens)
         self.cache = None
 
     def discard(self) -> None:
+        self.backend._readers.discard(self)
         self.cache = None
 
 
@@ -116,6 +118,7 @@ class TorchBackend(Backend):
         self.prefix_cache = PrefixCache(PREFIX_CACHE_ENTRIES, tokens) if use_cache else None
         self._prefixes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # entry -> per layer [H, n, D] K, V
         self._next_entry = 0
+        self._readers: set[TorchRowReader] = set()  # rows being read (open_row), not yet joined
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,13 +153,38 @@ class TorchBackend(Backend):
     def length(self, row: int) -> int:
         return int(self.mask[row].sum())
 
+    @property
+    def shares_rows(self) -> bool:  # part of the prefix cache: off with it
+        return self.prefix_cache is not None
+
     def open_row(self, prompt: torch.Tensor | None = None) -> "TorchRowReader":
         if prompt is None or self.prefix_cache is None:
-            return TorchRowReader(self)
-        entry, shared = self.prefix_cache.find(prompt[0].numpy())
-        if entry is None:
-            return TorchRowReader(self)
-        return TorchRowReader(self, self._prefixes[entry], prompt[0, :shared].tolist())
+            reader = TorchRowReader(self)
+        else:
+            tokens = prompt[0].numpy()
+            source, held = longest_shared(self._held(), tokens)
+            entry, shared = self.prefix_cache.find(tokens, at_least=held)
+            if entry is not None:
+                reader = TorchRowReader(self, self._prefixes[entry], prompt[0, :shared].tolist())
+            elif held:  # a running row or one being read holds the most of it: its K/V are copied
+                self.prefix_cache.stats.shared_running += 1
+                reader = TorchRowReader(self, self._live_prefix(source, held), prompt[0, :held].tolist())
+            else:
+                reader = TorchRowReader(self)
+        self._readers.add(reader)
+        return reader
+
+    def _held(self):  # keyed by row index, or by the reader
+        yield from enumerate(self._tokens)
+        yield from ((reader, reader.tokens) for reader in self._readers)
+
+    def _live_prefix(self, source: int | TorchRowReader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer [H, n, D] K, V of the first n positions a row (its live slots, in order) or a reader holds."""
+        if isinstance(source, TorchRowReader):
+            return [(layer.keys[0, :, :n], layer.values[0, :, :n]) for layer in source.cache.layers]
+        slots = self.mask[source].nonzero().flatten()[:n].to(self.model.device)
+        return [(layer.keys[source].index_select(1, slots), layer.values[source].index_select(1, slots))
+                for layer in self.cache.layers]
 
     def drop_cached_prefixes(self) -> None:
         if self.prefix_cache is not None:
