@@ -306,9 +306,14 @@ class LlamaCppBackend(Backend):
         if len(self._seqs) + len(self._readers) >= self.max_rows:
             raise BackendError(f"this llama.cpp context holds {self.max_rows} rows")
         seq = min(set(range(self.max_rows)) - set(self._seqs) - set(self._readers))
+        self._readers[seq] = reader = self._reader(seq, prompt)
+        return reader
+
+    def _reader(self, seq: int, prompt: torch.Tensor | None) -> "LlamaRowReader":
+        """A reader for an empty sequence, started from the longest prefix of the prompt held: a cached entry's
+        cells put back, or a running or reading row's cells shared."""
         if prompt is None or self.prefix_cache is None:
-            reader = self._readers[seq] = LlamaRowReader(self, seq)
-            return reader
+            return LlamaRowReader(self, seq)
         tokens = prompt[0].numpy()
         source, held = longest_shared(self._held(), tokens)
         entry, shared = self.prefix_cache.find(tokens, at_least=held)
@@ -316,15 +321,12 @@ class LlamaCppBackend(Backend):
             if held:  # a running row or one being read holds the most of it: its cells are shared, nothing copied
                 self.context.share(source, seq, held)
                 self.prefix_cache.stats.shared_running += 1
-            reader = LlamaRowReader(self, seq, prompt[0, :held].tolist())
-        elif not self.context.restore(self._saved[entry], seq):
+            return LlamaRowReader(self, seq, prompt[0, :held].tolist())
+        if not self.context.restore(self._saved[entry], seq):
             self.prefix_cache.unserved(shared)
-            reader = LlamaRowReader(self, seq)
-        else:
-            self.context.forget(seq, shared)
-            reader = LlamaRowReader(self, seq, prompt[0, :shared].tolist())
-        self._readers[seq] = reader
-        return reader
+            return LlamaRowReader(self, seq)
+        self.context.forget(seq, shared)
+        return LlamaRowReader(self, seq, prompt[0, :shared].tolist())
 
     def _held(self):  # keyed by sequence id
         yield from zip(self._seqs, self._tokens)
