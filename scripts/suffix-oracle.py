@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -114,20 +115,28 @@ def seeded_controller(cost: np.ndarray, widest: int) -> AdaptiveK:
     return ctl
 
 
-def controller_ms(answer: list[int], drafts: list[Draft], cost: np.ndarray, ctl: AdaptiveK, row: int) -> float:
-    """Our controller trimming each draft as the engine's `fit` does and learning from each step's outcome (one
-    controller for every prompt, as one engine serves them)."""
+def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cost: np.ndarray, ctl: AdaptiveK,
+                  row: int) -> float:
+    """Our controller trimming each draft as the engine's `fit` does and learning from each step's outcome and, as
+    the tokens come, from each whole draft in hindsight (one controller for every prompt, as one engine serves
+    them)."""
     ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
+    seq = SimpleNamespace(serial=row, ids=torch.tensor([prompt]), finished=False)
     t, ms = 0, 0.0
     while t < len(answer):
+        seq.ids = torch.tensor([prompt + answer[:t]])
+        ctl.judge_in_hindsight()
         offered = drafts[t]
         tokens = offered.tokens[0].tolist()
         draft = ctl.trim(Draft(offered.tokens.clone(), source=offered.source, match_len=offered.match_len))
+        ctl.hindsight.offer(seq, tokens, draft.source, draft.match_len, draft.length)
         acc = accepted(tokens[: draft.length], answer[t:])
         ms += cost[1 + draft.length]
         ctl.observe(StepOutcome((row,), 1 + draft.length, cost[1 + draft.length] / 1e3, [RowOutcome(
             draft.source, None, draft.length, acc, 0.0, draft.match_len, positions=1 + draft.length)]))
         t += acc + 1
+    seq.ids, seq.finished = torch.tensor([prompt + answer]), True
+    ctl.judge_in_hindsight()
     return ms
 
 
@@ -177,7 +186,7 @@ def main() -> None:
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
-            ours = controller_ms(answer, drafts, cost, controllers[i], row)
+            ours = controller_ms(ids, answer, drafts, cost, controllers[i], row)
             totals[i] += (oracle, cut, full, ours)
             worst[i] = min(worst[i], plain / ours)
             cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")

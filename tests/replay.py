@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specdecode.control import AdaptiveK
+from specdecode.control.hindsight import Verdict
 from specdecode.control.calibrate import TIMED_TWICE, observe_calibration_pass, too_wide, widths
 from specdecode.drafters.base import Draft
 
@@ -160,26 +161,34 @@ def replay_request(machine: Machine, accept_by_position: list[float], *, prompt:
     return {"speedup": answer * machine.verify_s(1) / clock, "drafting_steps": drafting_steps}
 
 
-def replay_lookups(machine: Machine, *, answer: int, match_len, accept, seed: int = 0) -> dict:
-    """One request whose every step offers an 8-token lookup draft (a suffix match of `match_len(tokens so far)`
+def replay_lookups(machine: Machine, *, answer: int, match_len, accept, seed: int = 0, length: int = 8) -> dict:
+    """One request whose every step offers a `length`-token lookup draft (a suffix match of `match_len(tokens so far)`
     tokens), each token right with probability `accept` (or `accept(tokens so far)`), on a controller seeded as at
-    load; the controller trims it (AdaptiveK.trim) and the clock charges the pass it chose. `verified_from`: the
-    tokens done when the first draft was verified, None if none was."""
+    load; the controller trims it (AdaptiveK.trim), the clock charges the pass it chose, and the whole draft is judged
+    in hindsight as the engine's `Hindsight` judges it. `verified_from`: the tokens done when the first draft was
+    verified, None if none was."""
     rng = random.Random(seed)
     ctl = AdaptiveK(max_k=8)
     seed_as_at_load(ctl, machine)
     clock, done, verified, verified_from = 0.0, 0, 0, None
+    verdicts: list[tuple[int, Verdict]] = []  # with the tokens done when the answer gives it
     while done < answer:
+        for _, verdict in [v for v in verdicts if v[0] <= done]:
+            ctl.measured.observe_hindsight(verdict)
+        verdicts = [v for v in verdicts if v[0] > done]
         match, right = match_len(done), accept(done) if callable(accept) else accept
-        draft = ctl.trim(Draft(torch.arange(8)[None], source="suffix", match_len=match))
+        draft = ctl.trim(Draft(torch.arange(length)[None], source="suffix", match_len=match))
         if draft.length and verified_from is None:
             verified_from = done
-        accepted = 0
-        while accepted < draft.length and rng.random() < right:
-            accepted += 1
+        right_run = 0  # leading tokens of the offered draft the target would take
+        while right_run < length and rng.random() < right:
+            right_run += 1
+        accepted = min(right_run, draft.length)
         seconds = machine.verify_s(1 + draft.length)
         ctl.observe_pass(1 + draft.length, 1, seconds)
         ctl.observe_row("suffix", None, draft.length, accepted, 0.0, match_len=match)
+        judged = min(right_run + 1, length)
+        verdicts.append((done + judged, Verdict("suffix", match, draft.length, judged, right_run)))
         clock += seconds
         done += accepted + 1
         verified += draft.length

@@ -100,7 +100,7 @@ FRESH_TEXT = dict(answer=96, match_len=lambda done: 1 + done % 3, accept=0.0)  #
 def test_short_lookups_on_fresh_text_cost_little(machine):
     """Every step offers a lookup from a 1-3 token match and the target takes none (make demo's prompt, a new
     function: such lookups were right 24 % of the time). What the request loses to plain decoding is each match
-    class's first bet (priors near 0.5: on code edits they pay) and the probes: at most 4 % on every curve."""
+    class's first bet (priors near 0.5: on code edits they pay): at most 4 % on every curve."""
     assert replay_lookups(machine, **FRESH_TEXT)["speedup"] >= 0.96
 
 
@@ -113,15 +113,16 @@ EPYC_LLAMA_200 = Machine("avx512_epyc/llama.cpp every position, 200-token contex
 
 
 def test_fresh_text_costs_nothing_where_short_matches_cannot_pay():
-    """`make demo` there: short lookups never verified, not even as probes (two probes cost 2 % of its answer)."""
+    """`make demo` there: short lookups never verified (two one-token probes, as lookups had before hindsight, cost
+    2 % of its answer)."""
     run = replay_lookups(EPYC_LLAMA_200, **FRESH_TEXT)
     assert run["verified"] == 0 and run["speedup"] == pytest.approx(1.0), run
 
 
 @pytest.mark.parametrize("machine", MACHINES + [EPYC_LLAMA_200], ids=lambda m: m.name)
-def test_a_copy_held_down_by_rejections_is_probed_again(machine):
+def test_a_copy_held_down_by_rejections_is_drafted_again(machine):
     """Long matches all wrong for 40 tokens (the answer left the copy, and each rejection lowered the class), then
-    right again: probes find it, and the copy is drafted again well before the answer ends."""
+    right again: the drafts judged in hindsight find it, and the copy is drafted again well before the answer ends."""
     run = replay_lookups(machine, answer=400, match_len=lambda done: 20 + done,
                          accept=lambda done: 0.0 if done < 40 else 0.97)
     assert run["verified_from"] is not None and run["verified_from"] < 40, run  # the prior bets first
@@ -139,6 +140,24 @@ def test_the_lookup_replay_catches_priors_that_bet_harder(monkeypatch):
 @pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.name)
 def test_long_copies_are_still_verified(machine):
     """An answer that copies its input (long matches, right 95 % of the time) drafts on every machine and pays, even
-    where a width-8 pass costs 6 plain ones (AVX2, emulated bf16: 1.15x)."""
-    run = replay_lookups(machine, answer=192, match_len=lambda done: 20 + done, accept=0.95)
-    assert run["verified"] > 0 and run["speedup"] > 1.1, run
+    where a width-8 pass costs 6 plain ones (AVX2, emulated bf16: 1.12x on average over the seeds, 1.07-1.15x
+    each: one seed alone decides a margin this thin by chance)."""
+    runs = [replay_lookups(machine, answer=192, match_len=lambda done: 20 + done, accept=0.95, seed=seed)
+            for seed in range(8)]
+    assert all(run["verified"] > 0 for run in runs), runs
+    assert sum(run["speedup"] for run in runs) / len(runs) > 1.1, runs
+
+
+def test_copies_from_short_matches_are_learned_in_hindsight():
+    """Short matches (1-3 tokens) whose 63-token drafts are right 97 % of the time (an answer copying its input from
+    the first tokens on) on the AVX-512 EPYC curve, where only a 16-wide pass or wider pays: verified alone, the class
+    never shows it (its drafts stay unverified at their priors); judged in hindsight, the copy is drafted long."""
+    run = replay_lookups(EPYC_LLAMA_200, answer=400, match_len=lambda done: 1 + done % 3, accept=0.97, length=63)
+    assert run["speedup"] > 1.3, run
+
+
+def test_the_hindsight_replay_fails_without_hindsight(monkeypatch):
+    """Negative control: the same copy with hindsight verdicts ignored decodes as plain decoding does."""
+    monkeypatch.setattr(control.Measurements, "observe_hindsight", lambda self, verdict: None)
+    run = replay_lookups(EPYC_LLAMA_200, answer=400, match_len=lambda done: 1 + done % 3, accept=0.97, length=63)
+    assert run["speedup"] < 1.05, run

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from . import priors
 from .batch import BatchDecision, BatchPolicy, most_saving
+from .hindsight import Hindsight
 from .measurements import Measurements
 from .step import LOOKUP, MODEL, RowPlan, StepOutcome, StepPlan
 
@@ -75,9 +76,7 @@ class AdaptiveK:
         self.plain_steps = 0
         self.probe_interval = probe_every  # plain steps before the next probe (doubles while probes lose)
         self.skipped_steps = 0  # steps decoded plainly because drafting was expected to lose
-        self.lookup_skips = 0  # lookup drafts trimmed to nothing since the last one verified (trim's own probes)
-        # Doubles while lookup probes are rejected (a verified position costs ~60 % of a pass on llama.cpp)
-        self.lookup_probe_interval = probe_every
+        self.hindsight = Hindsight()  # lookup drafts judged whole against what the target went on to commit
         self.model_off: str | None = None  # why model drafts are off on this machine (None: they may pay)
         self.batch = BatchPolicy(self.measured, max_k, probe_every)
         self.rows = 1  # rows in the step being planned (a row's share of the pass)
@@ -159,6 +158,7 @@ class AdaptiveK:
         costs what it adds to that pass (batch and lookup pricing; a row alone too)."""
         n = self.rows = len(rows)
         self.reading = reading
+        self.judge_in_hindsight()
         if not self.measured.costs.measured(1, n):
             return StepPlan([RowPlan() for _ in rows])
         drafting = [seq for seq in rows if seq.drafter is not None]
@@ -183,13 +183,21 @@ class AdaptiveK:
         return RowPlan(MODEL, plan.length, plan.leaves, plan.keep_going, read_prompt=not seq.drafter_ready)
 
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
+        offered = [d.tokens[0].tolist() if d.confidence is None and d.length else [] for d in drafts]
         if plan.lookup_only:
             keep = self.batch.plan_free(len(rows), drafts, self.reading)
             for draft in drafts:
                 draft.truncate(keep)
-            return
-        for draft in drafts:
-            self.trim(draft)
+        else:
+            for draft in drafts:
+                self.trim(draft)
+        for seq, tokens, draft in zip(rows, offered, drafts):
+            self.hindsight.offer(seq, tokens, draft.source, draft.match_len, draft.length)
+
+    def judge_in_hindsight(self) -> None:
+        """Learn from the lookup drafts whose verdicts the rows' committed tokens now give."""
+        for verdict in self.hindsight.judge():
+            self.measured.observe_hindsight(verdict)
 
     def observe(self, outcome: StepOutcome) -> None:
         for row in outcome.rows:
@@ -287,12 +295,13 @@ class AdaptiveK:
         """Cut a draft made all at once (no confidence: a lookup) to the length that maximises expected tokens per
         second, from its source's measured acceptance by position and match length and the pass's measured cost by
         width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
-        passes by FREE_MIN_GAIN."""
+        passes by FREE_MIN_GAIN. No probes: whatever length is verified, the whole draft is judged in hindsight
+        (`Hindsight`), so a class kept short or undrafted still shows how far it would have been right."""
         if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
         width, rows = _widths(draft), self.rows
         expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
-        if self.reading:  # beside a prompt reading: the length that saves the most time (no probes there)
+        if self.reading:  # beside a prompt reading: the length that saves the most time
             per_position, saves = self.measured.costs.riding(rows)
             saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1)
                      for n, accepted in enumerate(expected, 1)]
@@ -301,30 +310,16 @@ class AdaptiveK:
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
-
-        def best_length(expected: list[float]) -> int:
-            best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
-            for n, accepted in enumerate(expected, 1):
-                rate = (1 + accepted) / max(verify(width[n]), 1e-9)
-                if rate > best_rate:
-                    best_len, best_rate = n, rate
-            return best_len
-
-        best_len = best_length(expected)
+        best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
+        for n, accepted in enumerate(expected, 1):
+            rate = (1 + accepted) / max(verify(width[n]), 1e-9)
+            if rate > best_rate:
+                best_len, best_rate = n, rate
         widest = self.measured.costs.widest()
         if rows == 1 and width[best_len] == widest and draft.length > best_len:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
-        # Probe now and then, less while probes lose, and only a draft whose class could be shown to pay: one that
-        # would, from its prior, after a run of probes all right. Short matches (~0.5) cannot where a 2-wide pass
-        # costs ~1.8 plain ones (llama.cpp, AVX-512 EPYC), and there such probes cost 2 % of a fresh answer.
-        if (best_len == 0 and self.lookup_skips >= self.lookup_probe_interval
-                and best_length(self.measured.expected_after_probes(draft.length, draft.match_len))):
-            best_len, self.lookup_skips = 1, 0
-            self.lookup_probe_interval = min(2 * self.lookup_probe_interval, priors.MAX_PROBE_INTERVAL)
-        elif best_len == 0:
-            self.lookup_skips += 1
         draft.truncate(best_len)
         return draft
 
@@ -376,7 +371,5 @@ class AdaptiveK:
         self.measured.first_accept.update(1.0 if accepted else 0.0)
         if confidences:
             self.measured.calibrator.update(confidences, accepted)
-        else:
-            if accepted:
-                self.lookup_probe_interval = self.probe_every
+        else:  # at once, for the next step; what lies past the verified part comes in hindsight (plan_step)
             self.measured.observe_lookup(source, match_len, drafted, accepted)

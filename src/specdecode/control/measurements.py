@@ -8,6 +8,7 @@ import copy
 
 from . import priors
 from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
+from .hindsight import Verdict
 
 
 def match_class(match_len: int) -> int:
@@ -58,16 +59,6 @@ class Measurements:
         first, later = self.lookup_rates(source, match_len)
         return _expected(first.value, later.value, length)
 
-    @staticmethod
-    def expected_after_probes(length: int, match_len: int) -> list[float]:
-        """expected_accepted for a lookup draft whose class stood at its prior and then had PROBE_RUN probes in a row
-        right: the most that probing it could show."""
-        prior = priors.POSITION_ACCEPT_BY_MATCH[match_class(match_len)]
-        first = Ema(priors.EMA_ALPHA, prior)
-        for _ in range(priors.PROBE_RUN):
-            first.update(1.0)
-        return _expected(first.value, prior, length)
-
     def lookup_rates(self, source: str, match_len: int) -> tuple[Ema, CopyRate]:
         """The first token's rate and the later tokens', both starting from the match class's prior: a later position
         is no less likely right than the first (a rate of its own, lower, kept lookups at one token forever, since a
@@ -98,6 +89,16 @@ class Measurements:
         if shifts:
             start = priors.POSITION_ACCEPT_BY_MATCH[cls] + sum(shifts) / len(shifts)
             self.lookup[key][0].value = min(max(start, 0.0), 1.0)
+
+    def observe_hindsight(self, verdict: Verdict) -> None:
+        """A lookup draft judged whole against what its row committed (`Hindsight`): a draft the step did not verify
+        counts as if verified whole; one whose verified part was all accepted adds the positions past it (the verified
+        part was observed at its step)."""
+        if not verdict.verified:
+            self.observe_lookup(verdict.source, verdict.match_len, verdict.judged, verdict.right)
+        elif verdict.right >= verdict.verified and verdict.judged > verdict.verified:
+            _, later = self.lookup_rates(verdict.source, verdict.match_len)
+            later.update(verdict.right - verdict.verified, 1 if verdict.judged > verdict.right else 0)
 
     def observe_lookup(self, source: str, match_len: int, drafted: int, accepted: int) -> None:
         """A lookup draft of `drafted` tokens, `accepted` of them accepted: positions up to the first rejection."""

@@ -38,9 +38,6 @@ FREE_MIN_GAIN = 1.05  # lookup drafts switch nothing on (no reading, no draft mo
 # Probing: drafting judged to lose is tried again now and then, more rarely while it keeps losing
 PROBE_EVERY = 8  # plain steps before the first probe
 MAX_PROBE_INTERVAL = 128  # at most this many: a probe then costs < 1 % even where a draft token costs two passes
-# A lookup class is probed only where it would pay after this many probes in a row were right, from its prior: what a
-# few probes could show (from 0.5 the first-token rate reaches 0.8; from 0.8, 0.92)
-PROBE_RUN = 4
 START_DRAFT = 1  # a fresh controller's first draft is short: where each position costs, 8 tokens + leaves took 8 s (AVX2)
 REGIME_CHANGE = 0.5  # a draft token this much cheaper than its average says the machine's load changed: probe soon
 
