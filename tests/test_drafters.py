@@ -8,7 +8,7 @@ from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEn
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, priors
 from specdecode.drafters import ComboDrafter, Draft
-from specdecode.drafters.suffix import ContextChains
+from specdecode.drafters.suffix import ContextChains, CopyPointer
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from replay import observe_step, simulate_costs
@@ -554,10 +554,13 @@ def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
     later.begin(torch.tensor([other]))
     copied = later.propose_free(torch.tensor([other]), 63)
     assert copied.source == "earlier/chain" and copied.tokens[0].tolist() == (text[30:] + text[:30])[10:73]
-    alone = SuffixDrafter()  # text[:20] again: 20 tokens match, a context of 24 does not
+    alone = SuffixDrafter()  # text[:20] again: 20 tokens match, a context of 24 does not; the copy is followed
     alone.begin(torch.tensor([text]))
     short = alone.propose_free(torch.tensor([text + text[:20]]), 63)
-    assert short.source == "suffix" and short.match_len == 20 and short.tokens[0].tolist()[:8] == text[20:28]
+    assert short.source == "suffix/copy" and short.match_len == 20 and short.tokens[0].tolist() == text[20:] + text[:3]
+    fresh = SuffixDrafter()  # nothing repeated 8 tokens long: no copy, the tree's short match
+    fresh.begin(torch.tensor([text]))
+    assert fresh.propose_free(torch.tensor([text + text[:5]]), 63).source == "suffix"
 
 
 @pytest.mark.parametrize("chains", [True, False])
@@ -779,3 +782,39 @@ def test_stats_count_steps_drafted_and_accepted_tokens_by_drafter(target):
     assert set(stats.by_source) == {"ngram", model.name}, stats.by_source  # this prompt gets both
     steps, drafted, accepted = (sum(t[i] for t in stats.by_source.values()) for i in range(3))
     assert (steps, drafted, accepted) == (stats.drafted_per_position[0], stats.drafted_tokens, stats.accepted_tokens)
+
+
+def test_the_copy_pointer_follows_a_copy_through_an_insertion_and_a_jump():
+    """An answer copying its input in order: found on 8 tokens anywhere, left for an inserted comment and followed
+    again where it resumes; a jump far ahead (out of the window where a short match may resync) is found on 8 tokens."""
+    source = list(range(100, 400))
+    prompt = np.array([1, 2, 3] + source + [4, 5], dtype=np.int32)
+    copy = CopyPointer(start=len(prompt))
+    text = lambda *parts: np.concatenate([prompt] + [np.array(p, dtype=np.int32) for p in parts])  # noqa: E731
+    copy.follow(text(source[:10]))
+    assert copy.run == 10 and copy.draft(text(source[:10]), 5) == source[10:15]
+    copy.follow(text(source[:10], [900, 901]))  # a comment: the copy is left
+    assert copy.run == 0 and copy.draft(text(source[:10], [900, 901]), 5) == []
+    resumed = text(source[:10], [900, 901], source[10:13])
+    copy.follow(resumed)
+    assert copy.run == 3 and copy.draft(resumed, 4) == source[13:17]
+    jumped = text(source[:10], [900, 901], source[10:13], source[200:208])  # 190 tokens ahead
+    copy.follow(jumped)
+    assert copy.draft(jumped, 4) == source[208:212]
+    fresh = CopyPointer(start=len(prompt))
+    fresh.follow(text([7, 8, 9, 10, 11, 12, 13, 14, 15]))
+    assert fresh.draft(text([7, 8, 9, 10, 11, 12, 13, 14, 15]), 4) == []
+
+
+def test_the_copy_pointer_writes_a_learned_rename_into_later_drafts():
+    """A variable renamed where the answer first meets it (the source's token 110, written as 777 777) is written
+    renamed where the copy meets it again; the draft runs on past it."""
+    source = list(range(100, 140))
+    source[30] = 110  # the variable again
+    prompt = np.array([1, 2] + source + [3], dtype=np.int32)
+    copy = CopyPointer(start=len(prompt))
+    answer = source[:10] + [777, 777] + source[11:29]  # renamed, then copied on (found again on 3 tokens, near)
+    text = np.concatenate([prompt, np.array(answer, dtype=np.int32)])
+    for end in range(len(prompt) + 1, len(text) + 1):  # a token a step, as the engine commits them
+        copy.follow(text[:end])
+    assert copy.draft(text, 5) == [source[29], 777, 777, source[31], source[32]]
