@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from specdecode.control import AdaptiveK
-from specdecode.control.hindsight import Verdict
 from specdecode.control.calibrate import TIMED_TWICE, observe_calibration_pass, too_wide, widths
+from specdecode.control.hindsight import Verdict
 from specdecode.drafters.base import Draft
 
 DATA = Path(__file__).parent / "data"

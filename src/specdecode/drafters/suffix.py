@@ -55,8 +55,8 @@ CHAIN_CONTEXTS = 1 << 18  # contexts kept across requests (oldest out first): ~5
 CHAIN_SOURCE = "suffix/chain"
 # The copy an answer makes of its input, followed (`CopyPointer`): found again after an edit on 3 tokens within 96
 # ahead of where it left (16 behind), or anywhere on 8; a replacement of up to 8 source tokens by up to 12 is
-# remembered. Replayed on code edits (session 34): cutting drafts at what is accepted 1.64x -> 1.88x plain on the AMD
-# EPYC curve, the controller (with hindsight) 1.48x -> 1.53x, Spec-Bench unchanged
+# remembered. Replayed on code edits, AMD EPYC curve: the controller 1.48x -> 1.53x plain, Spec-Bench 0.99x -> 0.98x
+# (docs/results.md, session 34)
 RESYNC, RESYNC_WINDOW, RESYNC_BEHIND, JUMP_MATCH = 3, 96, 16, 8
 REPLACED_SOURCE, REPLACED_ANSWER = 8, 12
 COPY_SOURCE = "suffix/copy"
@@ -254,14 +254,13 @@ def best_chain(tokens: list[int], parents: list[int], probs: list[float]) -> tup
     return chain, siblings
 
 
-
 class CopyPointer:
     """Where in the request's text the answer is copying from, followed token by token: an answer that rewrites its
     input (an edited function) copies it in order, leaving it for an edit and coming back a little further on. After
     each edit the copy is found again near where it left (RESYNC tokens, within RESYNC_WINDOW ahead), or anywhere in
     the text on a longer match (JUMP_MATCH tokens); what the edit replaced is remembered (a renamed variable: the
-    source's tokens and the answer's) and written into later drafts from the copy. `run`: tokens copied in a row since
-    the copy was found (a draft's match length). A suffix match finds short matches too, but where the copy is, not
+    source's tokens and the answer's) and written into later drafts from the copy. `run`: how many tokens the text's
+    tail matches at the copy (up to 64; a draft's match length), 0 while the answer is away from it. A suffix match finds short matches too, but where the copy is, not
     how far it runs: the tree's most frequent continuation of a 1-3 token match is as often elsewhere in the text."""
 
     def __init__(self, start: int = 0):
@@ -302,8 +301,8 @@ class CopyPointer:
     def _find(self, text: np.ndarray) -> None:
         n = len(text)
         if self.pointer is not None:
-            end = _last_match(text, RESYNC, max(0, self.pointer - RESYNC_BEHIND), min(n - RESYNC, self.pointer + RESYNC_WINDOW),
-                              near=self.pointer)
+            lo, hi = max(0, self.pointer - RESYNC_BEHIND), min(n - RESYNC, self.pointer + RESYNC_WINDOW)
+            end = _last_match(text, RESYNC, lo, hi, near=self.pointer)
             if end is not None:
                 self._learn(text, end, RESYNC)
                 self.pointer, self.run = end, _matched(text, end, RESYNC)
@@ -334,8 +333,8 @@ def _matched(text: np.ndarray, end: int, m: int, most: int = 64) -> int:
 
 
 def _last_match(text: np.ndarray, m: int, lo: int, hi: int, near: int | None = None) -> int | None:
-    """Where the text's last m tokens also occur ending in text[lo + m - 1 : hi + m - 1] (so that a token follows,
-    before the tail itself): the end of the occurrence nearest `near`, else the latest; None if none."""
+    """The end (exclusive) of an earlier occurrence of the text's last m tokens that starts at lo..hi - 1 (hi at most
+    len(text) - m: a token follows it, and it is not the tail itself): the one nearest `near`, else the latest."""
     if hi <= lo or len(text) < m + 1:
         return None
     tail = text[-m:]
