@@ -135,6 +135,13 @@ class Backend(ABC):
         held = longest_shared(self._held(), tokens)[1] if self.shares_rows else 0
         return prompt.shape[1] - max(self.prefix_cache.shared(tokens), held)
 
+    def _start_from(self, tokens) -> tuple[int | None, int, Hashable, int]:
+        """Where a new row for a prompt's tokens starts (a prefix cache on): (the cache entry holding more of it than any
+        row, and how much; else None) and (the row or reader holding the most of it, and how much)."""
+        source, held = longest_shared(self._held(), tokens)
+        entry, shared = self.prefix_cache.find(tokens, at_least=held)
+        return entry, shared, source, held
+
     def _held(self) -> Iterator[tuple[Hashable, list[int]]]:
         """(key, the tokens it holds) of each row and row being read whose K/V a new row can start from."""
         return iter(())

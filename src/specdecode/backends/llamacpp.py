@@ -24,7 +24,7 @@ import torch
 from .base import Backend, BackendError, RowReader, read_each
 from .llamaguard import vet
 from .llamaprobe import buffer_types
-from .prefix import MIN_SHARED, PrefixCache, longest_shared
+from .prefix import MIN_SHARED, PrefixCache
 
 PINNED = "llama-cpp-python==0.3.36"
 PREFIX_CACHE_TOKENS = 32768
@@ -314,9 +314,7 @@ class LlamaCppBackend(Backend):
         cells put back, or a running or reading row's cells shared."""
         if prompt is None or self.prefix_cache is None:
             return LlamaRowReader(self, seq)
-        tokens = prompt[0].numpy()
-        source, held = longest_shared(self._held(), tokens)
-        entry, shared = self.prefix_cache.find(tokens, at_least=held)
+        entry, shared, source, held = self._start_from(prompt[0].numpy())
         if entry is None:
             if held:  # a running row or one being read holds the most of it: its cells are shared, nothing copied
                 self.context.share(source, seq, held)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .base import Backend, RowReader, chain_offsets
-from .prefix import PrefixCache, longest_shared
+from .prefix import PrefixCache
 
 PREFIX_CACHE_TOKENS = 8192  # K/V of finished rows kept for later prompts (Qwen 1.5B in bf16: 28 kB a token)
 PREFIX_CACHE_ENTRIES = 8
@@ -161,9 +161,7 @@ class TorchBackend(Backend):
         if prompt is None or self.prefix_cache is None:
             reader = TorchRowReader(self)
         else:
-            tokens = prompt[0].numpy()
-            source, held = longest_shared(self._held(), tokens)
-            entry, shared = self.prefix_cache.find(tokens, at_least=held)
+            entry, shared, source, held = self._start_from(prompt[0].numpy())
             if entry is not None:
                 reader = TorchRowReader(self, self._prefixes[entry], prompt[0, :shared].tolist())
             elif held:  # a running row or one being read holds the most of it: its K/V are copied
