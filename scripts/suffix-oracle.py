@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,7 +35,7 @@ import torch
 
 from specdecode.control import AdaptiveK
 from specdecode.control.calibrate import WIDEST, observe_calibration_pass, too_wide, widths
-from specdecode.control.step import RowOutcome, StepOutcome
+from specdecode.control.step import RowOutcome, StepOutcome, StepPlan
 from specdecode.drafters import suffix
 from specdecode.drafters.base import Draft
 from specdecode.encoding import encode_prompt
@@ -50,10 +51,12 @@ def pass_table(spec: str, widest: int) -> np.ndarray:
 
 
 def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, floor: float,
-                 cache=None, chains=None, max_new_tokens: int | None = None, alternatives: int = 0) -> list[Draft]:
-    """The suffix drafter's draft (its chain: tokens, source, match length) at each position of the answer, the answer
-    so far committed, none past max_new_tokens (as the engine's draft budget); `cache` / `chains`: a suffix cache and
-    context chains holding earlier answers (a server's, kept across requests), else fresh ones."""
+                 cache=None, chains=None, max_new_tokens: int | None = None, alternatives: int = 0,
+                 ends: frozenset[int] = frozenset()) -> list[Draft]:
+    """The suffix drafter's draft (its chain: tokens, source, match length, the draft it may be swapped for) at each
+    position of the answer, the answer so far committed, none past max_new_tokens (as the engine's draft budget) or
+    past a token of `ends`; `cache` / `chains`: a suffix cache and context chains holding earlier answers (a server's,
+    kept across requests), else fresh ones."""
     suffix.MAX_SPEC_FACTOR = factor  # the drafter reads its cap from the module (a constant in the product)
     drafter = suffix.SuffixDrafter(cache if cache is not None else suffix.shared_cache(), alternatives=alternatives,
                                    min_token_prob=floor, chains=chains)
@@ -64,7 +67,10 @@ def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, fl
     for t in range(len(answer)):
         draft = drafter.propose(ids[:, : len(prompt) + t], k, None, None)
         draft.truncate(budget - t - 1)
+        draft.end_at(ends)
         draft.alternatives = None
+        if draft.instead is not None:
+            draft.instead.alternatives = None
         out.append(draft)
     drafter.reset()
     return out
@@ -127,10 +133,10 @@ def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cos
         seq.ids = torch.tensor([prompt + answer[:t]])
         ctl.judge_in_hindsight()
         offered = drafts[t]
-        tokens = offered.tokens[0].tolist()
-        draft = ctl.trim(Draft(offered.tokens.clone(), source=offered.source, match_len=offered.match_len))
-        ctl.hindsight.offer(seq, tokens, draft.source, draft.match_len, draft.length)
-        acc = accepted(tokens[: draft.length], answer[t:])
+        step = [replace(offered, instead=offered.instead and replace(offered.instead))]  # fit cuts and swaps in place
+        ctl.fit([seq], StepPlan([]), step)
+        draft = step[0]
+        acc = accepted(draft.tokens[0].tolist(), answer[t:])
         ms += cost[1 + draft.length]
         ctl.observe(StepOutcome((row,), 1 + draft.length, cost[1 + draft.length] / 1e3, [RowOutcome(
             draft.source, None, draft.length, acc, 0.0, draft.match_len, positions=1 + draft.length)]))
@@ -162,6 +168,7 @@ def main() -> None:
     rows = {r["prompt_id"]: r for r in results["rows"] if r["method"] == "plain"}
     max_new_tokens = results.get("config", {}).get("max_new_tokens")
     tokenizer = load_tokenizer(args.target)
+    ends = frozenset(i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if i is not None)
     prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
     variants = [(float(f), float(p), int(k)) for f, p, k in (v.split(":") for v in args.variants.split(","))]
     cost = pass_table(args.pass_ms, max(max(k for *_, k in variants) + 1, 65))
@@ -182,7 +189,7 @@ def main() -> None:
         for i, (factor, floor, k) in enumerate(variants):
             cache, chains = caches[i]
             drafts = drafts_along(ids, answer, k, factor, floor, cache, chains if chains is not None else fresh_chains(),
-                                  max_new_tokens, args.alternatives)
+                                  max_new_tokens, args.alternatives, ends)
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))

@@ -104,6 +104,7 @@ def test_eos_inside_a_draft_ends_generation_there(target, k):
     result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, stop=StopCondition(frozenset({eos}))).result()
     assert result.token_ids == expected
     assert result.finish_reason == "stop"
+    assert result.stats.drafted_tokens <= len(expected) - 1  # drafts end at the EOS: nothing after it is verified
 
 
 @pytest.mark.parametrize("max_new_tokens", range(1, 12))

@@ -80,3 +80,55 @@ def test_the_engine_judges_lookups_it_never_verified(target):
         assert seq.result.token_ids == reference_greedy(target, prompt, 60)
     assert engine.controller.measured.judged_lookups
     assert sum(verified) > 0
+
+
+def epyc_controller() -> AdaptiveK:
+    """A controller whose load calibration timed the AVX-512 EPYC's llama.cpp passes (a 16-wide pass: 8.7 plain)."""
+    from specdecode.control.calibrate import observe_calibration_pass
+
+    ctl = AdaptiveK()
+    for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540, 64: 860}.items():
+        observe_calibration_pass(ctl, width, ms / 1e3)
+    ctl.rows_changed()
+    return ctl
+
+
+def test_the_tree_draft_goes_out_where_the_copy_is_not_worth_verifying():
+    """The copy pointer's draft runs further than the suffix tree's and goes first; where its prices say verify none
+    of it, the tree's draft (`Draft.instead`), priced apart, is verified in its place, and both are judged in hindsight
+    (the one not verified as verified for nothing). Where the copy pays it stays."""
+    from specdecode.control.step import StepPlan
+    from specdecode.drafters.base import Draft
+
+    def candidates():
+        tree = Draft(torch.tensor([[7, 8, 9, 10]]), source="suffix", match_len=8)
+        return Draft(torch.tensor([list(range(7, 47))]), source="suffix/copy", match_len=8, instead=tree)
+
+    ctl = epyc_controller()
+    for _ in range(20):  # this class of copies broke at their first token; the tree's matches of 8 held
+        ctl.measured.observe_lookup("suffix/copy", 8, 16, 0)
+        ctl.measured.observe_lookup("suffix", 8, 4, 4)
+    seq = row([1, 2, 3])
+    drafts = [candidates()]
+    ctl.fit([seq], StepPlan([]), drafts)
+    verified = drafts[0].length
+    assert drafts[0].source == "suffix" and verified >= 3 and drafts[0].instead is None
+    offered = {(r.source, r.verified, len(r.tokens)) for r in ctl.hindsight.pending[0][1]}
+    assert offered == {("suffix", verified, 4), ("suffix/copy", 0, 40)}
+
+    ctl = epyc_controller()
+    for _ in range(20):  # copies that ran on
+        ctl.measured.observe_lookup("suffix/copy", 8, 40, 40)
+    drafts = [candidates()]
+    ctl.fit([row([1, 2, 3])], StepPlan([]), drafts)
+    assert drafts[0].source == "suffix/copy" and drafts[0].length > 4
+
+
+def test_a_draft_ends_at_an_end_token_and_the_draft_it_may_be_swapped_for_at_its_own():
+    from specdecode.drafters.base import Draft
+
+    draft = Draft(torch.tensor([[5, 6, 0, 7, 8]]), instead=Draft(torch.tensor([[5, 9, 9, 0]])))
+    draft.end_at(frozenset({0}))
+    assert draft.tokens.tolist() == [[5, 6, 0]] and draft.instead.tokens.tolist() == [[5, 9, 9, 0]]
+    draft.truncate(2)
+    assert draft.tokens.tolist() == [[5, 6]] and draft.instead.tokens.tolist() == [[5, 9]]

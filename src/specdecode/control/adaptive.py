@@ -183,16 +183,20 @@ class AdaptiveK:
         return RowPlan(MODEL, plan.length, plan.leaves, plan.keep_going, read_prompt=not seq.drafter_ready)
 
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
-        offered = [d.tokens[0].tolist() if d.confidence is None and d.length else [] for d in drafts]
-        if plan.lookup_only:
+        offered = [[(d, d.tokens[0].tolist()) for d in (draft, draft.instead) if d is not None and d.confidence is None
+                    and d.length] for draft in drafts]
+        if plan.lookup_only:  # the batch's one length for each row's first draft
+            for draft in drafts:
+                draft.instead = None
             keep = self.batch.plan_free(len(rows), drafts, self.reading)
             for draft in drafts:
                 draft.truncate(keep)
         else:
-            for draft in drafts:
-                self.trim(draft)
-        for seq, tokens, draft in zip(rows, offered, drafts):
-            self.hindsight.offer(seq, tokens, draft.source, draft.match_len, draft.length)
+            drafts[:] = [self.trim(draft) for draft in drafts]
+        for seq, candidates, draft in zip(rows, offered, drafts):
+            for candidate, tokens in candidates:  # the one not chosen is judged too, as if verified for nothing
+                verified = draft.length if candidate is draft else 0
+                self.hindsight.offer(seq, tokens, candidate.source, candidate.match_len, verified)
 
     def judge_in_hindsight(self) -> None:
         """Learn from the lookup drafts whose verdicts the rows' committed tokens now give."""
@@ -291,22 +295,36 @@ class AdaptiveK:
         """The longest lookup draft worth proposing: what the widest pass measured can verify (at least max_k)."""
         return max(self.max_k, self.measured.costs.widest() - 1)
 
-    def trim(self, draft):
+    def trim(self, draft: Draft) -> Draft:
         """Cut a draft made all at once (no confidence: a lookup) to the length that maximises expected tokens per
         second, from its source's measured acceptance by position and match length and the pass's measured cost by
         width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
-        passes by FREE_MIN_GAIN. No probes: whatever length is verified, the whole draft is judged in hindsight
+        passes by FREE_MIN_GAIN. Where none of it pays, the draft it may be swapped for (`Draft.instead`: the suffix
+        tree's, where the copy pointer's runs further) is priced the same way and returned cut in its place (choosing
+        the better-priced of two that both pay gained nothing in replay: docs/results.md, session 35). No probes: whatever length is verified, the whole draft is judged in hindsight
         (`Hindsight`), so a class kept short or undrafted still shows how far it would have been right."""
         if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
+        other, draft.instead = draft.instead, None
+        length, value = self._cut(draft)
+        if other is not None and other.length:
+            other_length, other_value = self._cut(other)
+            if not length and other_value > value:
+                draft, length = other, other_length
+        draft.truncate(length)
+        return draft
+
+    def _cut(self, draft: Draft) -> tuple[int, float]:
+        """(length, its value) of the lookup draft's best cut: seconds saved beside a prompt reading, else expected
+        tokens per second (a length of 0: a plain step's)."""
         width, rows = _widths(draft), self.rows
         expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
         if self.reading:  # beside a prompt reading: the length that saves the most time
             per_position, saves = self.measured.costs.riding(rows)
             saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1)
                      for n, accepted in enumerate(expected, 1)]
-            draft.truncate(most_saving(saved))
-            return draft
+            best = most_saving(saved)
+            return best, saved[best - 1] if best else 0.0
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
@@ -320,8 +338,7 @@ class AdaptiveK:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
             best_len = draft.length
-        draft.truncate(best_len)
-        return draft
+        return best_len, best_rate
 
     def pass_width(self, positions: int) -> int:
         """The width to run this step's pass of `positions` at (one row alone, where the backend pads)."""

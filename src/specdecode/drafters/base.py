@@ -28,13 +28,31 @@ class Draft:
     # the chain in one pass, see tree.py; -1: no leaf there); None: none offered
     alternatives: torch.Tensor | None = None
     match_len: int = 0  # a lookup draft: how many tokens of the text's end matched (its acceptance depends on it)
+    # A lookup draft from other evidence that the controller may verify instead where this one does not pay (the suffix
+    # tree's own, shorter, where the copy pointer's runs further; AdaptiveK.trim)
+    instead: Draft | None = None
 
     @property
     def length(self) -> int:
         return self.tokens.shape[1]
 
     def truncate(self, length: int) -> None:
-        """Keep at most the first `length` tokens."""
+        """Keep at most the first `length` tokens (of the draft it may be swapped for too)."""
+        self._cut(length)
+        if self.instead is not None:
+            self.instead.truncate(length)
+
+    def end_at(self, ends: frozenset[int]) -> None:
+        """Keep the tokens up to the first of `ends` (a token that ends the answer): nothing after it is ever kept."""
+        if self.length and ends:
+            for n, token in enumerate(self.tokens[0].tolist(), 1):
+                if token in ends:
+                    self._cut(n)
+                    break
+        if self.instead is not None:
+            self.instead.end_at(ends)
+
+    def _cut(self, length: int) -> None:
         if self.length > length:
             self.tokens = self.tokens[:, :length]
             self.probs = None if self.probs is None else self.probs[:, :length]

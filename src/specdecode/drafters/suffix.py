@@ -212,17 +212,15 @@ class SuffixDrafter(Drafter):
         chain, siblings = best_chain(found.token_ids, found.parents, found.probs) if found.token_ids else ([], [])
         keep = min(k, int(found.match_len * MAX_SPEC_FACTOR + MAX_SPEC_OFFSET)) or 1
         chain, siblings = chain[:keep], siblings[:keep]
-        self.copy.follow(text)
-        copied = self.copy.draft(text, k)
-        if len(copied) > len(chain):  # the copy runs further than the tree's match vouches for
-            return Draft(torch.tensor([copied]), source=COPY_SOURCE, match_len=self.copy.run)
-        if not chain:
-            return Draft.empty(1, input_ids.device)
-        draft = Draft(torch.tensor([chain]), source=source, match_len=found.match_len)
-        if self.alternatives and any(siblings):
+        draft = Draft(torch.tensor([chain]), source=source, match_len=found.match_len) if chain else None
+        if draft is not None and self.alternatives and any(siblings):
             rows = [(s[: self.alternatives] + [-1] * self.alternatives)[: self.alternatives] for s in siblings]
             draft.alternatives = torch.tensor([rows])
-        return draft
+        self.copy.follow(text)
+        copied = self.copy.draft(text, k)
+        if len(copied) > len(chain):  # the copy runs further than the tree's match vouches for; the tree's may pay more
+            return Draft(torch.tensor([copied]), source=COPY_SOURCE, match_len=self.copy.run, instead=draft)
+        return draft if draft is not None else Draft.empty(1, input_ids.device)
 
     def _speculate(self, context: np.ndarray, most: int, room: int):
         """The better-scoring draft of this request's tree (prompt and answer so far) and the tree over answers (earlier
