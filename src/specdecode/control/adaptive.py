@@ -300,9 +300,9 @@ class AdaptiveK:
         second, from its source's measured acceptance by position and match length and the pass's measured cost by
         width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
         passes by FREE_MIN_GAIN. Where none of it pays, the draft it may be swapped for (`Draft.instead`: the suffix
-        tree's, where the copy pointer's runs further) is priced the same way and returned cut in its place (choosing
-        the better-priced of two that both pay gained nothing in replay: docs/results.md, session 35). No probes: whatever length is verified, the whole draft is judged in hindsight
-        (`Hindsight`), so a class kept short or undrafted still shows how far it would have been right."""
+        tree's, where the copy pointer's runs further) is priced the same way and returned cut in its place. No
+        probes: whatever length is verified, the whole draft is judged in hindsight (`Hindsight`), so a class kept
+        short or undrafted still shows how far it would have been right."""
         if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
         other, draft.instead = draft.instead, None

@@ -218,7 +218,7 @@ class SuffixDrafter(Drafter):
             draft.alternatives = torch.tensor([rows])
         self.copy.follow(text)
         copied = self.copy.draft(text, k)
-        if len(copied) > len(chain):  # the copy runs further than the tree's match vouches for; the tree's may pay more
+        if len(copied) > len(chain):  # the copy runs further than the tree's match vouches for (the tree's: a fallback)
             return Draft(torch.tensor([copied]), source=COPY_SOURCE, match_len=self.copy.run, instead=draft)
         return draft if draft is not None else Draft.empty(1, input_ids.device)
 
