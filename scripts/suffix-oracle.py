@@ -68,9 +68,7 @@ def drafts_along(prompt: list[int], answer: list[int], k: int, factor: float, fl
         draft = drafter.propose(ids[:, : len(prompt) + t], k, None, None)
         draft.truncate(budget - t - 1)
         draft.end_at(ends)
-        draft.alternatives = None
-        if draft.instead is not None:
-            draft.instead.alternatives = None
+        draft.drop_leaves()
         out.append(draft)
     drafter.reset()
     return out

@@ -327,9 +327,7 @@ class BatchEngine:
         draft.truncate(seq.draft_budget)  # a drafter may offer more than asked (n-gram runs)
         draft.end_at(seq.stop.eos_token_ids)  # a copy runs on past the end of what it copies (a turn's end)
         if not row.leaves:
-            draft.alternatives = None
-            if draft.instead is not None:
-                draft.instead.alternatives = None
+            draft.drop_leaves()
         return draft, seconds, readings
 
     def _verify(self, layouts: list[TreeLayout], drafts: list[Draft], report: StepReport,

@@ -52,6 +52,12 @@ class Draft:
         if self.instead is not None:
             self.instead.end_at(ends)
 
+    def drop_leaves(self) -> None:
+        """Verify the chain alone (of the draft it may be swapped for too)."""
+        self.alternatives = None
+        if self.instead is not None:
+            self.instead.drop_leaves()
+
     def _cut(self, length: int) -> None:
         if self.length > length:
             self.tokens = self.tokens[:, :length]

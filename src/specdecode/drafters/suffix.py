@@ -55,8 +55,8 @@ CHAIN_CONTEXTS = 1 << 18  # contexts kept across requests (oldest out first): ~5
 CHAIN_SOURCE = "suffix/chain"
 # The copy an answer makes of its input, followed (`CopyPointer`): found again after an edit on 3 tokens within 96
 # ahead of where it left (16 behind), or anywhere on 8; a replacement of up to 8 source tokens by up to 12 is
-# remembered. Replayed on code edits, AMD EPYC curve: the controller 1.48x -> 1.53x plain, Spec-Bench 0.99x -> 0.98x
-# (docs/results.md, session 34)
+# remembered. Replayed on the AMD EPYC curve it gains code edits ~4 % and costs fresh text ~2 % (48 Spec-Bench answers;
+# docs/results.md, sessions 34-35)
 RESYNC, RESYNC_WINDOW, RESYNC_BEHIND, JUMP_MATCH = 3, 96, 16, 8
 REPLACED_SOURCE, REPLACED_ANSWER = 8, 12
 COPY_SOURCE = "suffix/copy"
@@ -258,8 +258,9 @@ class CopyPointer:
     each edit the copy is found again near where it left (RESYNC tokens, within RESYNC_WINDOW ahead), or anywhere in
     the text on a longer match (JUMP_MATCH tokens); what the edit replaced is remembered (a renamed variable: the
     source's tokens and the answer's) and written into later drafts from the copy. `run`: how many tokens the text's
-    tail matches at the copy (up to 64; a draft's match length), 0 while the answer is away from it. A suffix match finds short matches too, but where the copy is, not
-    how far it runs: the tree's most frequent continuation of a 1-3 token match is as often elsewhere in the text."""
+    tail matches at the copy (up to 64; a draft's match length), 0 while the answer is away from it. A suffix match
+    finds short matches too, but where the copy is, not how far it runs: the tree's most frequent continuation of a
+    1-3 token match is as often elsewhere in the text."""
 
     def __init__(self, start: int = 0):
         self.pointer: int | None = None  # text position of the token the copy would write next
