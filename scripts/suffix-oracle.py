@@ -125,10 +125,10 @@ def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cos
     the tokens come, from each whole draft in hindsight (one controller for every prompt, as one engine serves
     them)."""
     ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
-    seq = SimpleNamespace(serial=row, ids=torch.tensor([prompt]), finished=False)
+    seq = SimpleNamespace(serial=row, ids=torch.tensor([prompt]), finished=False, generated=0)
     t, ms = 0, 0.0
     while t < len(answer):
-        seq.ids = torch.tensor([prompt + answer[:t]])
+        seq.ids, seq.generated = torch.tensor([prompt + answer[:t]]), t
         ctl.judge_in_hindsight()
         offered = drafts[t]
         step = [replace(offered, instead=offered.instead and replace(offered.instead))]  # fit cuts and swaps in place

@@ -22,6 +22,9 @@ DATA = Path(__file__).parent / "data"
 PROFILES = json.loads((DATA / "cpu-profiles.json").read_text())
 TRACES = json.loads((DATA / "acceptance-traces.json").read_text())
 LEAVES = 2  # as `auto` drafts
+# llama.cpp's Q4_K_M 1.5B on the AVX-512 EPYC at a 200-token context, logits at every position (ms by width,
+# scripts/llama-pass-costs.py, session 24)
+EPYC_LLAMA_PASS_MS = {1: 35, 2: 63, 4: 110, 8: 250, 12: 320, 16: 305, 20: 415, 24: 454, 32: 540, 48: 790, 64: 860}
 TARGETS = ("qwen2.5-coder-1.5b",)
 
 
@@ -50,6 +53,15 @@ def observe_step(ctl: AdaptiveK, source, confidences, drafted, accepted, draft_s
     width = positions or drafted + 1
     ctl.observe_pass(width, 1, verify_s)
     ctl.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used=leaf_used, positions=width)
+
+
+def epyc_controller() -> AdaptiveK:
+    """A controller whose load calibration timed the AVX-512 EPYC's llama.cpp passes (a 16-wide pass: 8.7 plain)."""
+    ctl = AdaptiveK()
+    for width, ms in EPYC_LLAMA_PASS_MS.items():
+        observe_calibration_pass(ctl, width, ms / 1e3)
+    ctl.rows_changed()
+    return ctl
 
 
 def machines() -> list[Machine]:

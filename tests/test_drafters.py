@@ -11,7 +11,7 @@ from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.suffix import ContextChains, CopyPointer
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
-from replay import observe_step, simulate_costs
+from replay import epyc_controller, observe_step, simulate_costs
 from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, batched, check_results, sample_generations
 from tiny import random_prompt, reference_greedy, tiny_model
 
@@ -669,12 +669,6 @@ def test_a_pass_measured_dearer_than_a_wider_one_runs_padded():
 def test_a_refined_source_starts_where_its_parent_stands():
     """A chain draft (source "suffix/chain") is first priced by what this engine learned of its parent's long matches,
     not by a prior: where long copies broke early it is cut short; where its parent never drafted, the prior decides."""
-    def epyc_controller():
-        ctl = AdaptiveK()
-        for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540, 64: 860}.items():
-            ctl.observe_pass(width, 1, ms / 1e3)
-        return ctl
-
     chain = lambda: Draft(torch.arange(63)[None], source="suffix/chain", match_len=24)  # noqa: E731
     fresh = epyc_controller().trim(chain()).length
     assert fresh >= 15  # the 16+ class's prior (0.95) verifies a long copy

@@ -8,9 +8,11 @@ import torch
 from specdecode.control import AdaptiveK
 from specdecode.control.hindsight import Hindsight, Verdict
 
+from replay import epyc_controller
+
 
 def row(tokens, serial=0):
-    return SimpleNamespace(serial=serial, ids=torch.tensor([tokens]), finished=False)
+    return SimpleNamespace(serial=serial, ids=torch.tensor([tokens]), finished=False, generated=0)
 
 
 def test_a_draft_is_judged_when_a_committed_token_differs():
@@ -80,17 +82,6 @@ def test_the_engine_judges_lookups_it_never_verified(target):
         assert seq.result.token_ids == reference_greedy(target, prompt, 60)
     assert engine.controller.measured.judged_lookups
     assert sum(verified) > 0
-
-
-def epyc_controller() -> AdaptiveK:
-    """A controller whose load calibration timed the AVX-512 EPYC's llama.cpp passes (a 16-wide pass: 8.7 plain)."""
-    from specdecode.control.calibrate import observe_calibration_pass
-
-    ctl = AdaptiveK()
-    for width, ms in {1: 35, 2: 63, 4: 110, 8: 250, 16: 305, 32: 540, 64: 860}.items():
-        observe_calibration_pass(ctl, width, ms / 1e3)
-    ctl.rows_changed()
-    return ctl
 
 
 def test_the_tree_draft_goes_out_where_the_copy_is_not_worth_verifying():

@@ -13,6 +13,7 @@ how many tokens to propose.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,7 @@ class AdaptiveK:
         self.reading = 0  # prompt tokens the planned step's pass reads beside the rows (plan_step)
         self.pads = False  # the backend runs a one-row pass wider where that measures cheaper (Backend.pads_passes)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
+        self.saved: dict[int, float] = {}  # by row serial: plain passes its steps saved so far (negative: lost)
 
     @property
     def costs(self):
@@ -192,7 +194,7 @@ class AdaptiveK:
             for draft in drafts:
                 draft.truncate(keep)
         else:
-            drafts[:] = [self.trim(draft) for draft in drafts]
+            drafts[:] = [self.trim(draft, seq) for seq, draft in zip(rows, drafts)]
         for seq, candidates, draft in zip(rows, offered, drafts):
             for candidate, tokens in candidates:  # the one not chosen is judged too, as if verified for nothing
                 verified = draft.length if candidate is draft else 0
@@ -210,6 +212,8 @@ class AdaptiveK:
         if outcome.row_ids != self._rows_seen:  # a row joined or left
             self.rows_changed()
             self._rows_seen = outcome.row_ids
+            self.saved = {serial: self.saved.get(serial, 0.0) for serial in outcome.row_ids}
+        self._count_savings(outcome)
         if outcome.verify_s is not None:
             self.observe_pass(outcome.positions, len(outcome.row_ids), outcome.verify_s)
         for row in outcome.rows:
@@ -295,50 +299,77 @@ class AdaptiveK:
         """The longest lookup draft worth proposing: what the widest pass measured can verify (at least max_k)."""
         return max(self.max_k, self.measured.costs.widest() - 1)
 
-    def trim(self, draft: Draft) -> Draft:
+    def trim(self, draft: Draft, seq: Sequence | None = None) -> Draft:
         """Cut a draft made all at once (no confidence: a lookup) to the length that maximises expected tokens per
         second, from its source's measured acceptance by position and match length and the pass's measured cost by
         width (its tree leaves included); verify it only where the expected tokens exceed the pass's cost in plain
-        passes by FREE_MIN_GAIN. Where none of it pays, the draft it may be swapped for (`Draft.instead`: the suffix
-        tree's, where the copy pointer's runs further) is priced the same way and returned cut in its place. No
-        probes: whatever length is verified, the whole draft is judged in hindsight (`Hindsight`), so a class kept
-        short or undrafted still shows how far it would have been right."""
+        passes by FREE_MIN_GAIN, and no wider than its row's loss limit allows (`may_lose`; no row given: none).
+        Where none of it pays, the draft it may be swapped for (`Draft.instead`: the suffix tree's, where the copy
+        pointer's runs further) is priced the same way and returned cut in its place. No probes: whatever length is
+        verified, the whole draft is judged in hindsight (`Hindsight`), so a class kept short or undrafted still shows
+        how far it would have been right."""
         if draft.confidence is not None or draft.length == 0 or self.measured.costs.verify_time(1, self.rows) is None:
             return draft
         other, draft.instead = draft.instead, None
-        length, value = self._cut(draft)
+        most_lost = self.may_lose(seq) if seq is not None else None
+        length, value = self._cut(draft, most_lost)
         if other is not None and other.length:
-            other_length, other_value = self._cut(other)
+            other_length, other_value = self._cut(other, most_lost)
             if not length and other_value > value:
                 draft, length = other, other_length
         draft.truncate(length)
         return draft
 
-    def _cut(self, draft: Draft) -> tuple[int, float]:
+    def _cut(self, draft: Draft, most_lost: float | None = None) -> tuple[int, float]:
         """(length, its value) of the lookup draft's best cut: seconds saved beside a prompt reading, else expected
-        tokens per second (a length of 0: a plain step's)."""
+        tokens per second (a length of 0: a plain step's); no longer than loses at most `most_lost` plain passes
+        where every drafted position is rejected (None: no limit)."""
         width, rows = _widths(draft), self.rows
         expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
         if self.reading:  # beside a prompt reading: the length that saves the most time
             per_position, saves = self.measured.costs.riding(rows)
             saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1)
+                     if most_lost is None or per_position * (width[n] - 1) / saves <= most_lost else -math.inf
                      for n, accepted in enumerate(expected, 1)]
             best = most_saving(saved)
             return best, saved[best - 1] if best else 0.0
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
-        best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
+        plain = max(verify(1), 1e-9)
+        affordable = lambda n: most_lost is None or verify(width[n]) / plain - 1 <= most_lost  # noqa: E731
+        best_len, best_rate = 0, priors.FREE_MIN_GAIN / plain
         for n, accepted in enumerate(expected, 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
-            if rate > best_rate:
+            if rate > best_rate and affordable(n):
                 best_len, best_rate = n, rate
         widest = self.measured.costs.widest()
         if rows == 1 and width[best_len] == widest and draft.length > best_len:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
-            best_len = draft.length
+            best_len = max(n for n in range(best_len, draft.length + 1) if n == best_len or affordable(n))
         return best_len, best_rate
+
+    def may_lose(self, seq: Sequence) -> float:
+        """Plain passes the row's next lookup bet may lose at worst: its loss limit (priors.LOSS_STAKE, LOSS_SHARE) plus
+        what its drafts have saved so far."""
+        return priors.LOSS_STAKE + priors.LOSS_SHARE * seq.generated + self.saved.get(seq.serial, 0.0)
+
+    def _count_savings(self, outcome: StepOutcome) -> None:
+        """Each row's step against a plain one, in plain passes at the measured prices: the tokens it took, less what
+        its draft and the positions it added cost."""
+        rows = len(outcome.row_ids)
+        costs = self.measured.costs
+        plain = costs.verify_time(1, rows)
+        if not plain:
+            return
+        riding = costs.riding(rows) if outcome.verify_s is None else None  # the pass also read a prompt
+        for serial, row in zip(outcome.row_ids, outcome.rows):
+            if riding is not None:
+                added = riding[0] * (row.positions - 1) / riding[1]
+            else:
+                added = costs.verify_time(row.positions, rows) / plain - 1
+            self.saved[serial] = self.saved.get(serial, 0.0) + row.accepted - added - row.draft_s / plain
 
     def pass_width(self, positions: int) -> int:
         """The width to run this step's pass of `positions` at (one row alone, where the backend pads)."""
