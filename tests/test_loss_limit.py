@@ -80,14 +80,18 @@ def test_a_request_whose_copies_all_break_loses_at_most_its_limit(limited):
         assert clock / PLAIN_S > 3 * bound
 
 
-def test_the_limit_holds_in_fit_for_each_row_of_a_batch():
-    """`fit` prices each row's draft against its own savings: a row that lost bets little beside one that saved."""
+@pytest.mark.parametrize("lookup_only", [False, True], ids=["row-by-row", "one-length-for-the-batch"])
+def test_the_limit_holds_in_fit_for_each_row_of_a_batch(lookup_only):
+    """`fit` holds each row's draft to its own limit, priced by the batch's pass (`plan_free` then picks the batch's
+    one length among what the rows may bet): a row that lost bets nothing beside one that saved."""
     ctl = epyc_controller()
     taught_long_copies(ctl)
-    won, lost = SimpleNamespace(serial=1, generated=40, ids=torch.tensor([[1, 2]]), finished=False), \
-        SimpleNamespace(serial=2, generated=40, ids=torch.tensor([[1, 2]]), finished=False)
-    ctl.observe(StepOutcome((1, 2), 1, None, [RowOutcome("suffix", None, 0, 0, 0.0)] * 2))
+    won, lost = (SimpleNamespace(serial=serial, generated=40, ids=torch.tensor([[1, 2]]), finished=False)
+                 for serial in (1, 2))
+    ctl.observe(StepOutcome((1, 2), 1, None, [RowOutcome("suffix", None, 0, 0, 0.0)] * 2))  # the rows join
+    ctl.rows = 2
     ctl.saved.update({1: 30.0, 2: -priors.LOSS_STAKE - priors.LOSS_SHARE * 40})
     drafts = [copy(), copy()]
-    ctl.fit([won, lost], StepPlan([]), drafts)
+    ctl.fit([won, lost], StepPlan([], lookup_only=lookup_only), drafts)
     assert drafts[0].length > 8 and drafts[1].length == 0
+    assert ctl._lost_at_worst(1 + drafts[0].length) <= ctl.may_lose(won)

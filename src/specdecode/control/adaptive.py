@@ -187,9 +187,12 @@ class AdaptiveK:
     def fit(self, rows: list[Sequence], plan: StepPlan, drafts: list[Draft]) -> None:
         offered = [[(d, d.tokens[0].tolist()) for d in (draft, draft.instead) if d is not None and d.confidence is None
                     and d.length] for draft in drafts]
-        if plan.lookup_only:  # the batch's one length for each row's first draft
-            for draft in drafts:
+        if plan.lookup_only:  # the batch's one length for each row's first draft, within each row's loss limit
+            for seq, draft in zip(rows, drafts):
                 draft.instead = None
+                most_lost = self.may_lose(seq)
+                affordable = (n for n in range(draft.length, 0, -1) if self._lost_at_worst(n + 1) <= most_lost)
+                draft.truncate(next(affordable, 0))
             keep = self.batch.plan_free(len(rows), drafts, self.reading)
             for draft in drafts:
                 draft.truncate(keep)
@@ -329,7 +332,7 @@ class AdaptiveK:
         if self.reading:  # beside a prompt reading: the length that saves the most time
             per_position, saves = self.measured.costs.riding(rows)
             saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1)
-                     if most_lost is None or per_position * (width[n] - 1) / saves <= most_lost else -math.inf
+                     if most_lost is None or self._lost_at_worst(width[n]) <= most_lost else -math.inf
                      for n, accepted in enumerate(expected, 1)]
             best = most_saving(saved)
             return best, saved[best - 1] if best else 0.0
@@ -337,7 +340,7 @@ class AdaptiveK:
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
         plain = max(verify(1), 1e-9)
-        affordable = lambda n: most_lost is None or verify(width[n]) / plain - 1 <= most_lost  # noqa: E731
+        affordable = lambda n: most_lost is None or self._lost_at_worst(width[n]) <= most_lost  # noqa: E731
         best_len, best_rate = 0, priors.FREE_MIN_GAIN / plain
         for n, accepted in enumerate(expected, 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
@@ -355,21 +358,27 @@ class AdaptiveK:
         what its drafts have saved so far."""
         return priors.LOSS_STAKE + priors.LOSS_SHARE * seq.generated + self.saved.get(seq.serial, 0.0)
 
+    def _lost_at_worst(self, width: int) -> float:
+        """Plain passes a row's step of `width` positions loses against a plain step where every drafted position is
+        rejected: beside a prompt reading, what its positions add to that pass; else its pass against a plain one
+        (not measured: no bet is safe)."""
+        if width <= 1:
+            return 0.0
+        if self.reading and (riding := self.measured.costs.riding(self.rows)) is not None:
+            per_position, saves = riding
+            return per_position * (width - 1) / saves
+        wide, plain = self._pass(width)[1], self._pass(1)[1]
+        return math.inf if wide is None or not plain else wide / plain - 1
+
     def _count_savings(self, outcome: StepOutcome) -> None:
-        """Each row's step against a plain one, in plain passes at the measured prices: the tokens it took, less what
-        its draft and the positions it added cost."""
-        rows = len(outcome.row_ids)
-        costs = self.measured.costs
-        plain = costs.verify_time(1, rows)
+        """Each row's step against a plain one, in plain passes at the prices its plan was made with: the tokens it
+        took, less what its positions and its draft added."""
+        plain = self._pass(1)[1]
         if not plain:
             return
-        riding = costs.riding(rows) if outcome.verify_s is None else None  # the pass also read a prompt
         for serial, row in zip(outcome.row_ids, outcome.rows):
-            if riding is not None:
-                added = riding[0] * (row.positions - 1) / riding[1]
-            else:
-                added = costs.verify_time(row.positions, rows) / plain - 1
-            self.saved[serial] = self.saved.get(serial, 0.0) + row.accepted - added - row.draft_s / plain
+            added = self._lost_at_worst(row.positions) + row.draft_s / plain
+            self.saved[serial] = self.saved.get(serial, 0.0) + row.accepted - added
 
     def pass_width(self, positions: int) -> int:
         """The width to run this step's pass of `positions` at (one row alone, where the backend pads)."""
