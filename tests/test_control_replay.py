@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 import specdecode.control as control
-from replay import DRAFTING_PAYS, EPYC_LLAMA_PASS_MS, Machine, machines, replay, replay_lookups, replay_request, seed_as_at_load, traces
+from replay import DRAFTING_PAYS, EPYC_LLAMA_200, machines, replay, replay_lookups, replay_request, seed_as_at_load, traces
 
 MACHINES = machines()
 
@@ -102,12 +102,6 @@ def test_short_lookups_on_fresh_text_cost_little(machine):
     function: such lookups were right 24 % of the time). What the request loses to plain decoding is each match
     class's first bet (priors near 0.5: on code edits they pay): at most 4 % on every curve."""
     assert replay_lookups(machine, **FRESH_TEXT)["speedup"] >= 0.96
-
-
-# A 2-wide pass costs 1.8 plain ones there, so a 1-token draft pays only if it is right ~90 % of the time, far above
-# what short matches reach (0.24 on fresh code, 0.40-0.48 on code edits).
-EPYC_LLAMA_200 = Machine("avx512_epyc/llama.cpp every position, 200-token context", EPYC_LLAMA_PASS_MS,
-                         draft_ms=20.0, draft_read_ms=6.0, leaves=0)
 
 
 def test_fresh_text_costs_nothing_where_short_matches_cannot_pay():

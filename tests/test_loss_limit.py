@@ -11,9 +11,8 @@ from specdecode.control import priors
 from specdecode.control.step import RowOutcome, StepOutcome, StepPlan
 from specdecode.drafters.base import Draft
 
-from replay import EPYC_LLAMA_PASS_MS, Machine, epyc_controller
+from replay import EPYC_LLAMA_200 as EPYC, epyc_controller
 
-EPYC = Machine("avx512_epyc/llama.cpp", EPYC_LLAMA_PASS_MS, draft_ms=0.0, draft_read_ms=0.0, leaves=0)
 PLAIN_S = EPYC.verify_s(1)
 
 

@@ -325,8 +325,8 @@ class AdaptiveK:
 
     def _cut(self, draft: Draft, most_lost: float | None = None) -> tuple[int, float]:
         """(length, its value) of the lookup draft's best cut: seconds saved beside a prompt reading, else expected
-        tokens per second (a length of 0: a plain step's); no longer than loses at most `most_lost` plain passes
-        where every drafted position is rejected (None: no limit)."""
+        tokens per second (a length of 0: a plain step's), among the lengths that lose at most `most_lost` plain passes
+        where every drafted position is rejected (None: any length)."""
         width, rows = _widths(draft), self.rows
         expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
         if self.reading:  # beside a prompt reading: the length that saves the most time

@@ -38,7 +38,7 @@ FREE_MIN_GAIN = 1.05  # lookup drafts switch nothing on (no reading, no draft mo
 # lose, in plain passes, within LOSS_STAKE + LOSS_SHARE x the tokens the request has made + what its drafts have saved
 # so far. Acceptance rates are shared across requests: copies that ran long in one summary priced 63-wide bets in the
 # next, whose copies broke at their first token (one 860 ms pass against a 35 ms plain one). A request that copies
-# earns its wide bets within a few drafts. Replayed on five pass curves (AMD EPYC at 200 and 1,150 tokens, AVX2,
+# earns its wide bets within a few drafts. Replayed on four pass curves (AMD EPYC at 200 and 1,150 tokens, AVX2,
 # AMX), stakes 4-12 and shares 0.05-0.2 all lifted Spec-Bench's worst prompt from 0.74x to 0.86-0.90x on the EPYC
 # curve, and the code edits moved within the replay's noise (docs/results.md, session 36)
 LOSS_STAKE = 8.0
