@@ -190,9 +190,7 @@ class AdaptiveK:
         if plan.lookup_only:  # the batch's one length for each row's first draft, within each row's loss limit
             for seq, draft in zip(rows, drafts):
                 draft.instead = None
-                most_lost = self.may_lose(seq)
-                affordable = (n for n in range(draft.length, 0, -1) if self._lost_at_worst(n + 1) <= most_lost)
-                draft.truncate(next(affordable, 0))
+                draft.truncate(self._longest_within(_widths(draft), self.may_lose(seq)))
             keep = self.batch.plan_free(len(rows), drafts, self.reading)
             for draft in drafts:
                 draft.truncate(keep)
@@ -350,13 +348,21 @@ class AdaptiveK:
         if rows == 1 and width[best_len] == widest and draft.length > best_len:
             # The best length is the widest pass ever measured and the draft runs on: past it the cost is only a
             # conservative guess that would keep every later draft this short. One pass this wide measures it.
-            best_len = max(n for n in range(best_len, draft.length + 1) if n == best_len or affordable(n))
+            best_len = self._longest_within(width, most_lost, shortest=best_len)
         return best_len, best_rate
 
     def may_lose(self, seq: Sequence) -> float:
         """Plain passes the row's next lookup bet may lose at worst: its loss limit (priors.LOSS_STAKE, LOSS_SHARE) plus
         what its drafts have saved so far."""
         return priors.LOSS_STAKE + priors.LOSS_SHARE * seq.generated + self.saved.get(seq.serial, 0.0)
+
+    def _longest_within(self, width: list[int], most_lost: float | None, shortest: int = 0) -> int:
+        """The longest cut n >= shortest of a draft whose pass, `width[n]` positions, loses at most `most_lost` plain
+        passes where every drafted position is rejected (None: no limit); `shortest` where none longer does."""
+        longest = len(width) - 1
+        if most_lost is None:
+            return longest
+        return next((n for n in range(longest, shortest, -1) if self._lost_at_worst(width[n]) <= most_lost), shortest)
 
     def _lost_at_worst(self, width: int) -> float:
         """Plain passes a row's step of `width` positions loses against a plain step where every drafted position is
