@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, priors
 from specdecode.drafters import ComboDrafter, Draft
-from specdecode.drafters.suffix import ContextChains, CopyPointer
+from specdecode.drafters.suffix import ContextChains, CopyPointer, GramIndex
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
 from replay import epyc_controller, observe_step, simulate_costs
@@ -369,6 +370,28 @@ def test_a_hopeless_draft_never_makes_a_fresh_drafter_read_or_probe():
     ready = AdaptiveK(max_k=6, probe_every=4)  # a drafter in step with the text probes at once: it costs one token
     ready.measured.costs, ready.measured.pass_line = ctl.costs, ctl.pass_line
     assert [ready.plan(6, remaining=100).length for _ in range(5)] == [0, 0, 0, 0, 1]
+
+
+def test_whether_a_model_draft_can_pay_follows_the_costs_it_was_decided_on():
+    """The answer is kept while the prices it read stand (it is asked at every step of fresh text), and decided again
+    when the draft gets cheaper, when plain passes get dearer against it, or when a wide pass is measured."""
+    ctl = AdaptiveK(max_k=6)
+    for width, seconds in ((1, 0.2), (2, 0.3), (4, 0.5), (8, 0.9)):
+        ctl.observe_pass(width, 1, seconds)
+    ctl.costs.observe_draft("model", 1, 0.5)
+    assert not ctl.model_can_pay(6) and not ctl.model_can_pay(6)
+    ctl.costs.draft_token_s["model"].value = 0.01  # a draft this cheap pays
+    assert ctl.model_can_pay(6) and ctl.model_off is None
+    ctl.costs.draft_token_s["model"].value = 0.25
+    assert not ctl.model_can_pay(6)
+    for _ in range(30):  # passes five times as dear (wide ones priced in plain ones): the draft is cheap against them
+        ctl.observe_pass(1, 1, 1.0)
+    assert ctl.model_can_pay(6)
+    ctl.costs.draft_token_s["model"].value = 0.05
+    assert ctl.model_can_pay(1)
+    for _ in range(3):  # a two-position pass measured as dear as five plain ones
+        ctl.observe_pass(2, 1, 5.0)
+    assert not ctl.model_can_pay(1)
 
 
 def test_a_slow_stretch_does_not_keep_speculation_off():
@@ -798,6 +821,37 @@ def test_the_copy_pointer_follows_a_copy_through_an_insertion_and_a_jump():
     fresh = CopyPointer(start=len(prompt))
     fresh.follow(text([7, 8, 9, 10, 11, 12, 13, 14, 15]))
     assert fresh.draft(text([7, 8, 9, 10, 11, 12, 13, 14, 15]), 4) == []
+
+
+def _last_match_by_search(text: np.ndarray, m: int, lo: int, hi: int, near: int | None) -> int | None:
+    """GramIndex.last_match's contract written as a search over every start."""
+    if hi <= lo or len(text) < m + 1:
+        return None
+    ends = [s + m for s in range(lo, hi) if list(text[s : s + m]) == list(text[-m:])]
+    if not ends:
+        return None
+    return ends[-1] if near is None else min(ends, key=lambda end: (abs(end - near), end))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=80), st.sampled_from([1, 3, 8]), st.data())
+def test_the_gram_index_finds_what_a_search_of_the_text_finds(tokens, m, data):
+    """Over a text growing a token at a time (as the copy pointer sees it), the index's earlier occurrence of the
+    tail is the search's: the nearest to `near` (the earlier of two as near) or the latest, inside lo..hi only."""
+    index = GramIndex(m)
+    for n in range(1, len(tokens) + 1):
+        text = np.array(tokens[:n], dtype=np.int32)
+        hi = data.draw(st.integers(-2, max(n - m, -1)))
+        lo = data.draw(st.integers(0, max(hi, 0)))
+        near = data.draw(st.none() | st.integers(0, n))
+        assert index.last_match(text, lo, hi, near) == _last_match_by_search(text, m, lo, hi, near)
+
+
+def test_the_gram_index_takes_the_earlier_of_two_occurrences_as_near():
+    text = np.array([5, 7, 0, 7, 1, 1, 7, 2, 7], dtype=np.int32)  # the tail 7 ends at 2, 4, 7 (and 9: itself)
+    index = GramIndex(1)
+    assert [index.last_match(text, 0, 8, near) for near in (3, 5, 6, None)] == [2, 4, 7, 7]
+    assert index.last_match(text, 2, 8, 3) == 4 and index.last_match(text, 0, 3, 9) == 2
 
 
 def test_the_copy_pointer_writes_a_learned_rename_into_later_drafts():

@@ -85,6 +85,7 @@ class AdaptiveK:
         self.pads = False  # the backend runs a one-row pass wider where that measures cheaper (Backend.pads_passes)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
         self.saved: dict[int, float] = {}  # by row serial: plain passes its steps saved so far (negative: lost)
+        self._can_pay: tuple[tuple, float, bool] | None = None  # model_can_pay's last answer: (key, draft / plain, answer)
 
     @property
     def costs(self):
@@ -134,16 +135,23 @@ class AdaptiveK:
         """Whether a model draft could beat plain decoding on this machine at the best acceptance drafts reach
         (BEST_ACCEPT per token), from the measured costs. Where it cannot, the draft model reads no prompt and runs
         no probe: only lookups are drafted (`model_off` says why)."""
-        t_plain, t_draft = self.measured.costs.verify_time(1), self.measured.costs.draft_time()
+        costs = self.measured.costs
+        t_plain, t_draft = costs.verify_time(1), costs.draft_time()
         if t_plain is None or not t_draft:
             return True  # not measured yet: nothing says it cannot
+        # Wide passes are priced in plain passes, so the answer moves only with a wide pass measured, the draft's cost
+        # or the draft against a plain pass by more than 1 %: asked at every step on fresh text, it is kept till then.
+        key, ratio = (max_len, costs.wide_passes_seen, t_draft), t_draft / t_plain
+        if self._can_pay is not None and self._can_pay[0] == key and abs(ratio / self._can_pay[1] - 1) <= 0.01:
+            return self._can_pay[2]
         best = self._best_case_rate(t_plain, max_len, priors.BEST_ACCEPT) * t_plain
         if best >= priors.MIN_GAIN:
             self.model_off = None
-            return True
-        self.model_off = (f"model drafts off: at {priors.BEST_ACCEPT:.0%} acceptance they would reach {best:.2f}x plain "
-                          "decoding on this machine's measured costs; lookup drafts only")
-        return False
+        else:
+            self.model_off = (f"model drafts off: at {priors.BEST_ACCEPT:.0%} acceptance they would reach {best:.2f}x "
+                              "plain decoding on this machine's measured costs; lookup drafts only")
+        self._can_pay = (key, ratio, self.model_off is None)
+        return self.model_off is None
 
     def _leaves_pay(self, offered: int) -> bool:
         """Leaves pay where a wider pass is nearly free (AVX-512 bf16: 25 positions ~ 9) and lose where every position

@@ -59,6 +59,7 @@ class CostModel:
     # never drafted would keep that minute's price for the server's life.
     _plain_then: dict[tuple[int, int], float] = field(default_factory=dict)
     _curve_now: dict[int, float] | None = None  # one row's curve priced now, until a one-row pass is observed
+    wide_passes_seen: int = 0  # passes of more than one position observed (what prices in plain passes move with)
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
         if tokens:
@@ -77,6 +78,7 @@ class CostModel:
         if rows == 1:
             self._curve_now = None
         if positions > 1:
+            self.wide_passes_seen += 1
             plain = self._plain(rows)
             if plain is not None:
                 self._plain_then[rows, positions] = plain
