@@ -27,6 +27,8 @@ declare -A SERVERS=(
   [llama-server-draft]="${LLAMA[*]} -md $DRAFT --spec-type draft-simple -td $THREADS -tbd $THREADS"
   [llama-server-ngram-mod]="${LLAMA[*]} --spec-type ngram-mod"
   [specdecode]="$SD serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level ${LOGLEVEL:-info} --port $PORT"
+  # another tree of ours beside this one (SPECDECODE_B="env PYTHONPATH=/tmp/wt-old/src .venv/bin/specdecode"): A/B
+  [specdecode-b]="${SPECDECODE_B:-$SD} serve --target qwen2.5-coder-1.5b --draft auto --adaptive --backend llama.cpp --threads $THREADS --max-batch 8 --log-level ${LOGLEVEL:-info} --port $PORT"
   # no drafter: what serving costs beside llama-server plain, speculation apart
   [specdecode-plain]="$SD serve --target qwen2.5-coder-1.5b --draft none --backend llama.cpp --threads $THREADS --max-batch 8 --log-level ${LOGLEVEL:-info} --port $PORT"
 )
