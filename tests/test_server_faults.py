@@ -55,30 +55,6 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
     assert running.result.token_ids == reference_greedy(target, random_prompt(1, 5), 60)
 
 
-@pytest.mark.parametrize("budgets, waits", [((12,), True), ((60,), False), ((12, 60), False)])
-def test_a_prompt_waits_for_rows_in_their_last_steps_where_reading_it_would_stall_them_longer(target, monkeypatch,
-                                                                                             budgets, waits):
-    """A 100-token prompt read at 10 ms a token stalls each running row's next token ~1 s; their steps cost 50 ms.
-    Rows that all end within 20 steps end first and the prompt is read after them; a row with 59 steps to go
-    (alone or beside one ending) has it read at once, beside it. The answers are the solo ones either way."""
-    engine = BatchEngine(target, None, max_batch=4)
-    engine.chunks.read_s_per_token.value, engine.chunks.rows_part_s.value = 0.01, 0.05
-    monkeypatch.setattr(engine.chunks, "observe_read", lambda tokens, seconds: None)  # those prices stay
-    monkeypatch.setattr(engine.chunks, "observe_rows", lambda seconds, read_in_pass=0: None)
-    running = [engine.submit(random_prompt(seed, 5), max_new_tokens=n) for seed, n in zip((1, 3), budgets)]
-    while any(not seq.result.token_ids for seq in running):
-        engine.step()
-    late = engine.submit(random_prompt(2, 100), max_new_tokens=4)
-    while not late.result.token_ids:
-        engine.step()
-    assert all(seq.finished for seq in running) if waits else not any(seq.finished for seq in running)
-    while engine.has_work:
-        engine.step()
-    assert late.result.token_ids == reference_greedy(target, random_prompt(2, 100), 4)
-    for seed, seq in zip((1, 3), running):
-        assert seq.result.token_ids == reference_greedy(target, random_prompt(seed, 5), seq.max_new_tokens)
-
-
 def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target):
     """Three long prompts arrive together: the first is read whole and its token goes out in that step; the others
     are read in chunks beside its row, so the first does not wait for all three to be read."""

@@ -410,8 +410,6 @@ class BatchEngine:
         if not self.rows:
             self._read_one_whole(report)
             return []
-        if not self._reading and self._waits_for_rows_to_end():
-            return []
         budget, reads, i = self.chunks.chunk(self._prompt_tokens_waiting()), [], 0
         while budget > 0:
             if i == len(self._reading) and not self._open_next(report):
@@ -425,23 +423,6 @@ class BatchEngine:
             budget -= take
             i += 1
         return reads
-
-    def _waits_for_rows_to_end(self) -> bool:
-        """Whether the waiting prompts wait for the running rows to end: when every row ends (its token budget spent)
-        within the time reading the shortest waiting prompt would stall each row's next token. The new request then
-        waits at most that reading's time once, where reading now would cost every running row as much (four chat
-        conversations: reads of new turns beside rows in their last steps made the slowest answers ~1.3x
-        llama-server's, whose lockstep reads turns together)."""
-        per_token, rows_s = self.chunks.read_s_per_token.value, self.chunks.rows_part_s.value
-        if per_token is None or rows_s is None or self.chunks.fixed is not None:
-            return False
-        with self._lock:
-            waiting = list(islice(self._pending, SHORTEST_AMONG))
-        if not waiting:
-            return False
-        stall = per_token * min(self.backend.to_read(seq.prompt) for seq in waiting)
-        steps_left = max(seq.max_new_tokens - seq.generated for seq in self.rows)
-        return steps_left * rows_s <= stall
 
     def _prompt_tokens_waiting(self) -> int:
         """Prompt tokens of the queue and those being read, counted whole: a chat turn re-sending a cached history
