@@ -60,6 +60,23 @@ def test_cli_generate_json(capsys):
     assert out["stats"]["acceptance_rate"] == 1.0 and out["text"]
 
 
+def test_cli_generate_compare_streams_the_answer_then_times_fresh_pairs(capsys, monkeypatch):
+    """The streamed answer is not one of the timed runs (printing costs it): three pairs of runs made after it,
+    each speculative one with a drafter that forgot the earlier answers; all equal plain decoding's."""
+    from specdecode.pipeline import SpecDecoder
+
+    runs = []
+    real = SpecDecoder.generate
+    monkeypatch.setattr(SpecDecoder, "generate", lambda self, prompt, **kw: runs.append(kw.get("speculate", True))
+                        or real(self, prompt, **kw))
+    args = ["generate", "--target", "smollm2-135m", "--draft", "smollm2-135m", "--dtype", "fp32", "--max-new-tokens", "12"]
+    assert main([*args, "--compare", "The capital of France is"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()  # the answer, streamed
+    assert runs[1:] == [True, False, False, True, True, False]  # after the warm-up: 3 pairs, alternating who leads
+    assert "median of 3 pairs" in err and "identical to plain" in err
+
+
 def test_cli_models_lists_builtins(capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
