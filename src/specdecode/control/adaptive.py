@@ -335,19 +335,17 @@ class AdaptiveK:
         where every drafted position is rejected (None: any length)."""
         width, rows = _widths(draft), self.rows
         expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
+        affordable = lambda n: most_lost is None or self._lost_at_worst(width[n]) <= most_lost  # noqa: E731
         if self.reading:  # beside a prompt reading: the length that saves the most time
             per_position, saves = self.measured.costs.riding(rows)
-            saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1)
-                     if most_lost is None or self._lost_at_worst(width[n]) <= most_lost else -math.inf
+            saved = [accepted * saves - priors.FREE_MIN_GAIN * per_position * (width[n] - 1) if affordable(n) else -math.inf
                      for n, accepted in enumerate(expected, 1)]
             best = most_saving(saved)
             return best, saved[best - 1] if best else 0.0
         # Priced by the pass table, measured by width up to 64 (a line through it misprices a curve that is flat
         # in places and steep in others, as llama.cpp's is); a row's share of the batch's pass.
         verify = lambda positions: self._pass(positions)[1] / rows  # noqa: E731
-        plain = max(verify(1), 1e-9)
-        affordable = lambda n: most_lost is None or self._lost_at_worst(width[n]) <= most_lost  # noqa: E731
-        best_len, best_rate = 0, priors.FREE_MIN_GAIN / plain
+        best_len, best_rate = 0, priors.FREE_MIN_GAIN / max(verify(1), 1e-9)
         for n, accepted in enumerate(expected, 1):
             rate = (1 + accepted) / max(verify(width[n]), 1e-9)
             if rate > best_rate and affordable(n):
