@@ -2,8 +2,11 @@
 # llama.cpp's own server against `specdecode serve --backend llama.cpp` on the Qwen Q4_K_M pair, through the same
 # load benchmark (`specdecode bench --endpoint`, streaming chat, concurrency 1, 4 and 8): llama-server plain, with
 # its draft-model speculation (draft-simple, the same 0.5B GGUF) and with its ngram-mod lookup, then ours (auto,
-# load-aware). One server resident at a time; rounds alternate the order; `bench --pool` pools them. 24 prompts (4 per
-# task) by default: 3 levels x 8 requests, none a repeat of an earlier one.
+# load-aware). All the servers named are resident at once, each on a port of its own (an idle one costs the others
+# nothing measurable: ~0.2 % of a core for ours, none for llama-server), and one `bench --endpoint` run takes them level
+# by level, order reversed every other round, so each round of a level compares servers measured minutes apart; the
+# report gives each server's tok/s against the first one's round by round. 24 prompts a round (4 per task): 3 levels x
+# 8 requests, none a repeat of an earlier one (servers stay resident: a repeat would be served from their caches).
 # Needs the tools of scripts/build-llama-server.sh. Not part of CI.
 # Usage: [ONLY="llama-server specdecode"] [LOGLEVEL=debug: our server logs every step] scripts/llama-server-bench.sh [OUT_DIR] [ROUNDS] [extra `specdecode bench` args...]
 # The venv's install is editable: a server started mid-run imports the checkout as it is then. To edit while it runs,
@@ -32,31 +35,33 @@ declare -A SERVERS=(
   # no drafter: what serving costs beside llama-server plain, speculation apart
   [specdecode-plain]="$SD serve --target qwen2.5-coder-1.5b --draft none --backend llama.cpp --threads $THREADS --max-batch 8 --log-level ${LOGLEVEL:-info} --port $PORT"
 )
-NAMES=${ONLY:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # which, in the first round's order
-PID=
-trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null || true' EXIT
+NAMES=${ONLY:-llama-server llama-server-draft llama-server-ngram-mod specdecode}  # the first is the baseline
+PIDS=()
+trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
 rm -rf "$OUT/runs"
 mkdir -p "$OUT/runs"
-RUNS=()
-for round in $(seq 1 "$ROUNDS"); do
-  read -r -a order <<< "$NAMES"
-  (( round % 2 == 0 )) && for ((i = 0, j = ${#order[@]} - 1; i < j; i++, j--)); do t=${order[i]}; order[i]=${order[j]}; order[j]=$t; done
-  for name in "${order[@]}"; do
-    # shellcheck disable=SC2086
-    ${SERVERS[$name]} > "$OUT/runs/$name-r$round.log" 2>&1 &
-    PID=$!
-    until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
-      kill -0 "$PID" 2>/dev/null || { echo "[llama-server-bench] $name did not start: $OUT/runs/$name-r$round.log" >&2; exit 1; }
-      sleep 1
-    done
-    echo "[llama-server-bench] round $round: $name" >&2
-    run="$OUT/runs/r$round-$name"
-    $SD bench --endpoint "$name=http://127.0.0.1:$PORT" --concurrency 1,4,8 --requests 8 --per-task 4 \
-      --max-new-tokens 64 --rounds 1 --out "$run" "$@" >/dev/null || echo "[llama-server-bench] $name: some requests failed (see $run/load.md)" >&2
-    # what the server counted (ours: drafts by source, the pass prices it calibrated); llama-server: only with --metrics
-    curl -sf "http://127.0.0.1:$PORT/metrics" > "$run/metrics.txt" 2>/dev/null || rm -f "$run/metrics.txt"
-    kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
-    RUNS+=("$run")
+ENDPOINTS=()
+port=$PORT
+for name in $NAMES; do
+  # each server on a port of its own; llama-server's own are given theirs in place of $PORT
+  command=${SERVERS[$name]/--port $PORT/--port $port}
+  # shellcheck disable=SC2086
+  $command > "$OUT/runs/$name.log" 2>&1 &
+  PIDS+=($!)
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    kill -0 "${PIDS[-1]}" 2>/dev/null || { echo "[llama-server-bench] $name did not start: $OUT/runs/$name.log" >&2; exit 1; }
+    sleep 1
   done
+  ENDPOINTS+=(--endpoint "$name=http://127.0.0.1:$port")
+  port=$((port + 1))
 done
-$SD bench --pool "${RUNS[@]}" --out "$OUT"
+echo "[llama-server-bench] all resident: $NAMES; $ROUNDS round(s), order reversed every other round" >&2
+# servers stay resident: every round needs prompts of its own (3 levels x 8 requests = 24 a round, 4 per task)
+$SD bench "${ENDPOINTS[@]}" --concurrency 1,4,8 --requests 8 --per-task $((4 * ROUNDS)) --max-new-tokens 64 --rounds "$ROUNDS" \
+  --out "$OUT" "$@" || echo "[llama-server-bench] some requests failed (see $OUT/load.md)" >&2
+# what each server counted (ours: drafts by source, the pass prices it calibrated); llama-server: only with --metrics
+port=$PORT
+for name in $NAMES; do
+  curl -sf "http://127.0.0.1:$port/metrics" > "$OUT/runs/$name-metrics.txt" 2>/dev/null || rm -f "$OUT/runs/$name-metrics.txt"
+  port=$((port + 1))
+done

@@ -2,14 +2,21 @@
 """What a server step costs by how answers leave it: one `specdecode serve` (no drafter by default), the same requests
 alternating not streamed, streamed to a client that only reads bytes, and streamed through the `openai` client; each
 request's ms a step from the server's own log (decode time after the first token / steps). If streaming or the client
-cost the server's steps, the three columns part. Not part of CI.
+cost the server's steps, the three columns part. `--kinds` picks columns; `in-process` runs the same request in this
+process (same model, context sized for the server's 8 rows, loaded and stepped on one thread as the server does),
+between the server's, so a server step and an in-process step are timed in the same minute. `ours-client` and
+`llama-server` (llama.cpp's own server, `--llama-bin`, on the next port, the same GGUF and threads) are timed by the
+client instead: ms a token between the first and the last streamed token, and the time to the first. Not part of CI.
 
 Usage: .venv/bin/python scripts/serve-stream-probe.py [--draft none] [--pairs 8] [--tokens 96] [--port 8398]
+           [--kinds not-streamed,bytes,openai,in-process,ours-client,llama-server]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import statistics
 import subprocess
@@ -28,22 +35,34 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--port", type=int, default=8398)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kinds", default="not-streamed,bytes,openai")
+    ap.add_argument("--llama-bin", default=".llama-cpp-tools/build/bin")
     args = ap.parse_args()
-    base = f"http://127.0.0.1:{args.port}"
+    kind_names = args.kinds.split(",")
+    base, llama_base = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    server = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--target", "qwen2.5-coder-1.5b",
-                               "--draft", args.draft, "--backend", "llama.cpp", "--threads", str(args.threads),
-                               "--port", str(args.port)], stdout=log, stderr=subprocess.STDOUT)
+    servers = [(base, log, subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--target", "qwen2.5-coder-1.5b", "--draft", args.draft,
+         "--backend", "llama.cpp", "--threads", str(args.threads), "--port", str(args.port)],
+        stdout=log, stderr=subprocess.STDOUT))]
+    if "llama-server" in kind_names:
+        gguf = os.path.expanduser("~/.cache/specdecode/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+        llama_log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+        servers.append((llama_base, llama_log, subprocess.Popen(
+            [os.path.join(args.llama_bin, "llama-server"), "-m", gguf, "-t", str(args.threads), "-tb", str(args.threads),
+             "-np", "8", "-c", "16384", "-kvu", "--port", str(args.port + 1)], stdout=llama_log, stderr=subprocess.STDOUT)))
     try:
-        while not _healthy(base):
-            if server.poll() is not None:
-                raise SystemExit(f"the server did not start: {open(log.name).read()[-2000:]}")
-            time.sleep(1)
+        for url, server_log, server in servers:
+            while not _healthy(url):
+                if server.poll() is not None:
+                    raise SystemExit(f"a server did not start: {open(server_log.name).read()[-2000:]}")
+                time.sleep(1)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
 
         def body(i: int, stream: bool) -> dict:
             return dict(model="qwen2.5-coder-1.5b", max_tokens=args.tokens, temperature=0, stream=stream,
-                        messages=[{"role": "user", "content": f"Tell me a long story about a {i}-legged robot."}])
+                        messages=[{"role": "user", "content": f"Write a Python class for a {i}-legged robot, with methods "
+                                                            "to walk, turn and report its state."}])
 
         def not_streamed(i):
             httpx.post(base + "/v1/chat/completions", json=body(i, False), timeout=300)
@@ -57,25 +76,63 @@ def main() -> None:
             for _ in client.chat.completions.create(**body(i, True)):
                 pass
 
-        kinds = [("not streamed", not_streamed), ("bytes only", bytes_only), ("openai client", openai_client)]
-        order = []
+        def client_timed(url, i):
+            """ms a token after the first (one token a streamed piece: no drafter), and the first token's time (s), as
+            the client reads the stream."""
+            started, arrivals = time.perf_counter(), []
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body(i, True), timeout=300) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
+                        arrivals.append(time.perf_counter())
+            ttft.setdefault(url, []).append(arrivals[0] - started)
+            return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1e3
+
+        ttft: dict[str, list[float]] = {}
+        local = None
+        if "in-process" in kind_names:
+            from specdecode.pipeline import SpecDecoder
+            local = SpecDecoder.from_specs("qwen2.5-coder-1.5b", None if args.draft == "none" else args.draft,
+                                           backend="llama.cpp", threads=args.threads, max_rows=8)
+
+        def in_process(i):
+            stats = local.generate(body(i, False)["messages"], chat=True, max_new_tokens=args.tokens).stats
+            return (stats.total_time_s - stats.time_to_first_token_s) / stats.steps * 1e3
+
+        every = {"not-streamed": not_streamed, "bytes": bytes_only, "openai": openai_client, "in-process": in_process,
+                 "ours-client": lambda i: client_timed(base, i), "llama-server": lambda i: client_timed(llama_base, i)}
+        kinds = [(name, every[name]) for name in kind_names]
+        by_kind: dict[str, list[float]] = {}
+        logged = []  # every request to our server, in the order sent: its log's lines, in that order
         for pair in range(args.pairs):
             for name, send in kinds if pair % 2 else kinds[::-1]:
-                send(len(order) + 3)
-                order.append(name)
+                ms = send(pair + 3)  # one prompt a pair
+                if name not in ("in-process", "llama-server"):
+                    logged.append(name if ms is None else f"{name} (server log)")
+                if ms is not None:
+                    by_kind.setdefault(name, []).append(ms)
     finally:
-        server.terminate()
-        server.wait()
+        for _, _, server in servers:
+            server.terminate()
+            server.wait()
     text = open(log.name).read()
     steps = [(float(total) - float(first)) / int(n) * 1e3
              for total, first, n in re.findall(r"new in ([0-9.]+) s \(first after ([0-9.]+) s, (\d+) steps", text)]
-    by_kind: dict[str, list[float]] = {}
-    for name, ms in zip(order, steps):
+    for name, ms in zip(logged, steps):
         by_kind.setdefault(name, []).append(ms)
     load = re.search(r"scored: 1: ([0-9.]+)", text)
     print(f"one-token pass timed at load: {load.group(1) if load else '?'} ms")
     for name, values in by_kind.items():
         print(f"{name:>14}: {statistics.median(values):.1f} ms a step (median; {' '.join(f'{v:.1f}' for v in values)})")
+    first = next(iter(by_kind))
+    for name, values in by_kind.items():
+        if name != first and len(values) == len(by_kind[first]):
+            ratios = sorted(v / w for v, w in zip(values, by_kind[first]))
+            print(f"{name} / {first}, pair by pair: median {statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
+    for url, seconds in ttft.items():
+        print(f"first token from {url}: {statistics.median(seconds):.3f} s (median; {' '.join(f'{v:.2f}' for v in seconds)})")
 
 
 def _healthy(base: str) -> bool:

@@ -367,6 +367,11 @@ def test_load_runs_pool_into_one_report(tmp_path, monkeypatch, capsys):
     assert slow["round_tokens_per_s"] == [5.0, 5.0 / 4]  # runs 1 and 4
     assert slow["output_tokens_per_s"] == pytest.approx(10 / (1.0 + 4.0))  # pooled: tokens over summed wall time
     assert "1.25–5.00" in (tmp_path / "pooled" / "load.md").read_text()
+    # each round against the baseline's (the level's first label) of the same round: runs 2 / 1 and 3 / 4
+    fast = rows[1]
+    assert fast["vs_baseline"] == "slow" and fast["vs_baseline_by_round"] == pytest.approx([1.0, (5 / 1.5) / 1.25])
+    assert "vs_baseline" not in slow
+    assert "1.833x (1.000–2.667)" in (tmp_path / "pooled" / "load.md").read_text()
     assert main(["bench", "--pool", str(tmp_path), "--out", str(tmp_path / "x")]) != 0  # not a run directory
     assert "no load.json" in capsys.readouterr().err
 

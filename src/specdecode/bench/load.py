@@ -207,12 +207,25 @@ def pool_runs(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def add_round_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's tok/s against the level's first endpoint (the baseline), round by round: `vs_baseline` (the
+    baseline's label) and `vs_baseline_by_round`. Rounds are paired by index, so servers measured in the same minutes
+    are compared with each other; the machine's drift between rounds cancels."""
+    baselines: dict[int, dict] = {}
+    for row in rows:
+        base = baselines.setdefault(row["concurrency"], row)
+        mine, theirs = row.get("round_tokens_per_s") or [], base.get("round_tokens_per_s") or []
+        if base is not row and mine and len(mine) == len(theirs) and all(theirs):
+            row["vs_baseline"], row["vs_baseline_by_round"] = base["label"], [a / b for a, b in zip(mine, theirs)]
+    return rows
+
+
 def load_markdown(rows: list[dict], command: str) -> str:
     lines = [
         "# Load benchmark", "", f"`{command}`", "",
-        "| endpoint | concurrency | requests | errors | output tok/s | per round (min–max) | latency p50 s | p90 s | p99 s | "
-        "TTFT p50 s | TTFT p99 s | ITL p50 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| endpoint | concurrency | requests | errors | output tok/s | per round (min–max) | vs first, round by round: "
+        "median (min–max) | latency p50 s | p90 s | p99 s | TTFT p50 s | TTFT p99 s | ITL p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(x, scale=1.0, digits=2):
@@ -221,10 +234,17 @@ def load_markdown(rows: list[dict], command: str) -> str:
     def spread(rates):
         return "-" if not rates or len(rates) < 2 else f"{min(rates):.2f}–{max(rates):.2f}"
 
+    def versus(r):
+        ratios = r.get("vs_baseline_by_round")
+        if not ratios:
+            return "-"
+        middle = f"{float(np.median(ratios)):.3f}x"
+        return middle if len(ratios) < 2 else f"{middle} ({min(ratios):.3f}–{max(ratios):.3f})"
+
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'])} | "
-            f"{spread(r.get('round_tokens_per_s'))} | {f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
+            f"{spread(r.get('round_tokens_per_s'))} | {versus(r)} | {f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
             f"{f(r['itl_p50'], 1000, 0)} |"
         )
     chats = [r for r in rows if r.get("turns", 1) > 1]

@@ -53,8 +53,9 @@ def cmd_pool_load(args) -> int:
 def _write_load_report(rows: list[dict], endpoints: dict[str, str], out: Path) -> int:
     import shlex
 
-    from ..bench.load import load_markdown, load_plot
+    from ..bench.load import add_round_ratios, load_markdown, load_plot
 
+    rows = add_round_ratios(rows)
     out.mkdir(parents=True, exist_ok=True)
     command = "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (out / "load.json").write_text(json.dumps(dict(command=command, endpoints=endpoints, rows=rows), indent=1))
