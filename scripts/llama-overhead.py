@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Per-token time outside `llama_decode`: our engine (plain or a drafter) against llama-cpp-python's `Llama.generate`
 on the same GGUF, in one process, pairs alternating which runs first. Every `llama_decode` call is timed apart, so
-the rest is each loop's own work (Python, sampling, bookkeeping). Not part of CI.
+the rest is each loop's own work (Python, sampling, bookkeeping). `--against plain`: our engine without a drafter
+instead of llama-cpp-python. `--prompts SET --per-task N`: a fresh prompt every pair and the drafter's memory of
+earlier answers kept, as a server's is (with `--max-batch 8`, its engine). Not part of CI.
 
 Usage: .venv/bin/python scripts/llama-overhead.py [plain|auto|<draft spec>] [PAIRS] [--tokens N] [--prompt TEXT]
+           [--against llama-cpp-python|plain] [--max-batch 1] [--prompts SET --per-task N]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from specdecode.batch import BatchEngine
 from specdecode.bench.methods import LlamaCppMethod
 from specdecode.encoding import encode_prompt
 from specdecode.pipeline import load_components
+from specdecode.prompts import load_prompts
 from specdecode.sampling import SamplingParams
 
 DEMO = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -32,6 +36,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--prompt", default=DEMO)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--against", choices=["llama-cpp-python", "plain"], default="llama-cpp-python")
+    ap.add_argument("--max-batch", type=int, default=1)
+    ap.add_argument("--prompts", default=None, help="a prompt set (e.g. specbench): a fresh prompt every pair")
+    ap.add_argument("--per-task", type=int, default=4)
     args = ap.parse_args()
 
     decode_s = collections.Counter()
@@ -47,28 +55,47 @@ def main() -> None:
     # both loops call it through one of these two modules
     llama_cpp.llama_decode = llama_cpp_bindings.llama_decode = timed_decode
 
-    plain = args.method == "plain"
-    model, tok, drafter, k, _ = load_components("qwen2.5-coder-1.5b", None if plain else args.method,
-                                                backend="llama.cpp", threads=args.threads, max_rows=1, k=None,
-                                                adaptive=not plain)
-    engine = BatchEngine(model, drafter, tok, k=k, adaptive=not plain, max_batch=1)
-    theirs = LlamaCppMethod("llama-cpp", model.gguf_path, frozenset(model.eos_token_ids), args.threads, 2048)
-    ids = encode_prompt(tok, args.prompt, chat=True)
+    def engine_for(method: str) -> tuple[BatchEngine, object]:
+        plain = method == "plain"
+        model, tok, drafter, k, _ = load_components("qwen2.5-coder-1.5b", None if plain else method,
+                                                    backend="llama.cpp", threads=args.threads, max_rows=args.max_batch,
+                                                    k=None, adaptive=not plain)
+        return BatchEngine(model, drafter, tok, k=k, adaptive=not plain, max_batch=args.max_batch), tok
 
-    def ours() -> int:
-        if engine.drafter is not None:
-            engine.drafter.forget_last_request()  # no drafting from the previous run's answer
+    engine, tok = engine_for(args.method)
+    if args.prompts:
+        texts = [p.text for p in load_prompts(args.prompts, per_task=args.per_task)]
+        if len(texts) < args.pairs + 1:
+            raise SystemExit(f"{len(texts)} prompts for {args.pairs + 1} pairs: raise --per-task")
+    else:
+        texts = [args.prompt]
+    prompts = [encode_prompt(tok, text, chat=True) for text in texts]
+
+    def run_engine(engine: BatchEngine, ids) -> int:
+        if engine.drafter is not None and not args.prompts:
+            engine.drafter.forget_last_request()  # no drafting from the previous run's answer to the same prompt
+        engine.backend.drop_cached_prefixes()  # both read the whole prompt
         seq = engine.submit(ids, max_new_tokens=args.tokens)
         while engine.has_work:
             engine.step()
         return len(seq.result.token_ids)
 
-    def llama() -> int:
-        return len(theirs.run(ids, args.tokens, SamplingParams()).token_ids)
+    if args.against == "plain":
+        baseline_engine, _ = engine_for("plain")
+
+        def baseline(ids) -> int:
+            return run_engine(baseline_engine, ids)
+    else:
+        theirs = LlamaCppMethod("llama-cpp", engine.backend.gguf_path, frozenset(engine.backend.eos_token_ids),
+                                args.threads, 2048)
+
+        def baseline(ids) -> int:
+            return len(theirs.run(ids, args.tokens, SamplingParams()).token_ids)
 
     runs = collections.defaultdict(list)
     for pair in range(args.pairs + 1):  # pair 0 warms both up
-        for name, run in (("ours", ours), ("llama-cpp-python", llama))[:: 1 if pair % 2 else -1]:
+        ids = prompts[pair % len(prompts)]
+        for name, run in (("ours", lambda: run_engine(engine, ids)), (args.against, lambda: baseline(ids)))[:: 1 if pair % 2 else -1]:
             decode_s.clear()
             start = time.perf_counter()
             tokens = run()
@@ -80,8 +107,8 @@ def main() -> None:
         per_decode = statistics.median(decode / tokens * 1e3 for _, decode, tokens in rows)
         print(f"{name:>16}: wall {' '.join(f'{w:.3f}' for w, _, _ in rows)} s; llama_decode {per_decode:.2f} ms a "
               f"token; outside it {outside:.3f} ms a token (median)")
-    ratios = [theirs_[0] / ours_[0] for ours_, theirs_ in zip(runs["ours"], runs["llama-cpp-python"])]
-    print("llama-cpp-python wall / ours, by pair:", " ".join(f"{r:.3f}" for r in ratios))
+    ratios = [theirs_[0] / ours_[0] for ours_, theirs_ in zip(runs["ours"], runs[args.against])]
+    print(f"{args.against} wall / ours, by pair: median {statistics.median(ratios):.3f};", " ".join(f"{r:.3f}" for r in ratios))
 
 
 if __name__ == "__main__":

@@ -370,10 +370,24 @@ def test_load_runs_pool_into_one_report(tmp_path, monkeypatch, capsys):
     # each round against the baseline's (the level's first label) of the same round: runs 2 / 1 and 3 / 4
     fast = rows[1]
     assert fast["vs_baseline"] == "slow" and fast["vs_baseline_by_round"] == pytest.approx([1.0, (5 / 1.5) / 1.25])
+    assert fast["p99_vs_baseline_by_round"] == pytest.approx([1.0, 1.5 / 4.0])  # each round's slowest request
     assert "vs_baseline" not in slow
     assert "1.833x (1.000–2.667)" in (tmp_path / "pooled" / "load.md").read_text()
     assert main(["bench", "--pool", str(tmp_path), "--out", str(tmp_path / "x")]) != 0  # not a run directory
     assert "no load.json" in capsys.readouterr().err
+
+
+def test_load_levels_take_their_prompts_one_task_after_another():
+    from specdecode.bench.load import tasks_in_turn
+    from specdecode.prompts import Prompt, load_prompts
+
+    prompts = [Prompt(str(i), task, f"{task}{i}") for i, task in enumerate("aaabcc")]
+    assert [p.text for p in tasks_in_turn(prompts)] == ["a0", "b3", "c4", "a1", "c5", "a2"]
+    shipped = load_prompts("specbench", per_task=4)
+    mixed = tasks_in_turn(shipped)
+    assert sorted(mixed, key=lambda p: p.id) == sorted(shipped, key=lambda p: p.id)  # every prompt, once
+    tasks = {p.task for p in shipped}
+    assert all({p.task for p in mixed[i : i + len(tasks)]} == tasks for i in range(0, len(mixed), len(tasks)))
 
 
 def test_load_rounds_reverse_the_endpoint_order(monkeypatch):

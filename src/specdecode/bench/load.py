@@ -61,6 +61,17 @@ class LevelResult:
         )
 
 
+def tasks_in_turn(prompts: list) -> list:
+    """Prompts (anything with a `.task`) taken one task after another, round-robin in the order the tasks first
+    appear: every level and round takes the next `requests` of them, so each gets a mix of tasks (a set listed by
+    task gave one level all its long summaries and another all its short answers)."""
+    by_task: dict[str, list] = {}
+    for prompt in prompts:
+        by_task.setdefault(prompt.task, []).append(prompt)
+    queues = list(by_task.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+
 def agent_requests(texts: list[str]) -> list[list[dict]]:
     """Requests that share a long prefix: every prompt's code as one file, then one prompt (its instruction and the
     part of the file it is about), as an agent re-sending its context with each edit request does."""
@@ -183,6 +194,7 @@ def pooled_row(label: str, levels: list[LevelResult]) -> dict:
     summary["label"] = label
     summary["rounds"] = len(levels)
     summary["round_tokens_per_s"] = [level.summary()["output_tokens_per_s"] for level in levels]
+    summary["round_latency_p99"] = [level.summary()["latency_p99"] for level in levels]
     summary["errors_sample"] = [r.error for r in pooled.requests if not r.ok][:3]
     summary["raw"] = [asdict(r) for r in pooled.requests]
     return summary
@@ -193,39 +205,51 @@ def pool_runs(runs: list[dict]) -> list[dict]:
     one at a time, each run holding one of them, alternating order between rounds."""
     levels: dict[tuple[str, int], list[LevelResult]] = {}
     round_rates: dict[tuple[str, int], list[float]] = {}
+    round_p99: dict[tuple[str, int], list[float]] = {}
     for run in runs:
         for row in run["rows"]:
             key = (row["label"], row["concurrency"])
             levels.setdefault(key, []).append(
                 LevelResult(row["endpoint"], row["concurrency"], row["wall_s"], [RequestResult(**r) for r in row["raw"]]))
             round_rates.setdefault(key, []).extend(row.get("round_tokens_per_s") or [row["output_tokens_per_s"]])
+            round_p99.setdefault(key, []).extend(row.get("round_latency_p99") or [row["latency_p99"]])
     rows = []
     for key in sorted(levels, key=lambda key: key[1]):  # by level; labels in first-seen order (sort is stable)
         row = pooled_row(key[0], levels[key])
         row["round_tokens_per_s"], row["rounds"] = round_rates[key], len(round_rates[key])
+        row["round_latency_p99"] = round_p99[key]
         rows.append(row)
     return rows
 
 
 def add_round_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's tok/s against the level's first endpoint (the baseline), round by round: `vs_baseline` (the
-    baseline's label) and `vs_baseline_by_round`. Rounds are paired by index, so servers measured in the same minutes
-    are compared with each other; the machine's drift between rounds cancels."""
+    """Each row's tok/s and p99 latency against the level's first endpoint (the baseline), round by round:
+    `vs_baseline` (the baseline's label), `vs_baseline_by_round` and `p99_vs_baseline_by_round`. Rounds are paired by
+    index, so servers measured in the same minutes are compared with each other; the machine's drift between rounds
+    cancels."""
+
+    def ratios(row, base, key):
+        mine, theirs = row.get(key) or [], base.get(key) or []
+        if mine and len(mine) == len(theirs) and all(mine) and all(theirs):
+            return [a / b for a, b in zip(mine, theirs)]
+        return None
+
     baselines: dict[int, dict] = {}
     for row in rows:
         base = baselines.setdefault(row["concurrency"], row)
-        mine, theirs = row.get("round_tokens_per_s") or [], base.get("round_tokens_per_s") or []
-        if base is not row and mine and len(mine) == len(theirs) and all(theirs):
-            row["vs_baseline"], row["vs_baseline_by_round"] = base["label"], [a / b for a, b in zip(mine, theirs)]
+        if base is not row and (by_round := ratios(row, base, "round_tokens_per_s")):
+            row["vs_baseline"], row["vs_baseline_by_round"] = base["label"], by_round
+            row["p99_vs_baseline_by_round"] = ratios(row, base, "round_latency_p99")
     return rows
 
 
 def load_markdown(rows: list[dict], command: str) -> str:
     lines = [
         "# Load benchmark", "", f"`{command}`", "",
-        "| endpoint | concurrency | requests | errors | output tok/s | per round (min–max) | vs first, round by round: "
-        "median (min–max) | latency p50 s | p90 s | p99 s | TTFT p50 s | TTFT p99 s | ITL p50 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| endpoint | concurrency | requests | errors | output tok/s | per round (min–max) | tok/s vs first, round by round: "
+        "median (min–max) | latency p50 s | p90 s | p99 s | p99 vs first, round by round | TTFT p50 s | TTFT p99 s | "
+        "ITL p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(x, scale=1.0, digits=2):
@@ -234,8 +258,7 @@ def load_markdown(rows: list[dict], command: str) -> str:
     def spread(rates):
         return "-" if not rates or len(rates) < 2 else f"{min(rates):.2f}–{max(rates):.2f}"
 
-    def versus(r):
-        ratios = r.get("vs_baseline_by_round")
+    def versus(ratios):
         if not ratios:
             return "-"
         middle = f"{float(np.median(ratios)):.3f}x"
@@ -244,7 +267,8 @@ def load_markdown(rows: list[dict], command: str) -> str:
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'])} | "
-            f"{spread(r.get('round_tokens_per_s'))} | {versus(r)} | {f(r['latency_p50'])} | {f(r['latency_p90'])} | {f(r['latency_p99'])} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
+            f"{spread(r.get('round_tokens_per_s'))} | {versus(r.get('vs_baseline_by_round'))} | {f(r['latency_p50'])} | "
+            f"{f(r['latency_p90'])} | {f(r['latency_p99'])} | {versus(r.get('p99_vs_baseline_by_round'))} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
             f"{f(r['itl_p50'], 1000, 0)} |"
         )
     chats = [r for r in rows if r.get("turns", 1) > 1]

@@ -14,7 +14,7 @@ def cmd_load_bench(args) -> int:
     """`bench --endpoint URL ...`: drive running OpenAI-compatible servers instead of loading models."""
     from tqdm import tqdm
 
-    from ..bench.load import agent_requests, repeat_requests, run_load
+    from ..bench.load import agent_requests, repeat_requests, run_load, tasks_in_turn
 
     endpoints = {}
     for i, spec in enumerate(args.endpoint):
@@ -23,7 +23,7 @@ def cmd_load_bench(args) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(c < 1 for c in levels) or args.requests < 1:
         raise ValueError("--concurrency levels and --requests must be >= 1")
-    texts = [p.text for p in _load_prompts(args)]
+    texts = [p.text for p in tasks_in_turn(_load_prompts(args))]
     prompts = agent_requests(texts) if args.traffic == "agent" else [[{"role": "user", "content": t}] for t in texts]
     if args.traffic == "repeat":
         prompts = repeat_requests(prompts, args.requests)
