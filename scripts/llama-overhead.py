@@ -95,7 +95,8 @@ def main() -> None:
     runs = collections.defaultdict(list)
     for pair in range(args.pairs + 1):  # pair 0 warms both up
         ids = prompts[pair % len(prompts)]
-        for name, run in (("ours", lambda: run_engine(engine, ids)), (args.against, lambda: baseline(ids)))[:: 1 if pair % 2 else -1]:
+        both = (("ours", lambda: run_engine(engine, ids)), (args.against, lambda: baseline(ids)))
+        for name, run in both[:: 1 if pair % 2 else -1]:
             decode_s.clear()
             start = time.perf_counter()
             tokens = run()
@@ -108,7 +109,8 @@ def main() -> None:
         print(f"{name:>16}: wall {' '.join(f'{w:.3f}' for w, _, _ in rows)} s; llama_decode {per_decode:.2f} ms a "
               f"token; outside it {outside:.3f} ms a token (median)")
     ratios = [theirs_[0] / ours_[0] for ours_, theirs_ in zip(runs["ours"], runs[args.against])]
-    print(f"{args.against} wall / ours, by pair: median {statistics.median(ratios):.3f};", " ".join(f"{r:.3f}" for r in ratios))
+    print(f"{args.against} wall / ours, by pair: median {statistics.median(ratios):.3f};",
+          " ".join(f"{r:.3f}" for r in ratios))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 alternating not streamed, streamed to a client that only reads bytes, and streamed through the `openai` client; each
 request's ms a step from the server's own log (decode time after the first token / steps). If streaming or the client
 cost the server's steps, the three columns part. `--kinds` picks columns; `in-process` runs the same request in this
-process (same model, context sized for the server's 8 rows, loaded and stepped on one thread as the server does),
+process (the server's engine: same model, 8 rows, drafter and controller, loaded and stepped on one thread),
 between the server's, so a server step and an in-process step are timed in the same minute. `ours-client` and
 `llama-server` (llama.cpp's own server, `--llama-bin`, on the next port, the same GGUF and threads) are timed by the
 client instead: ms a token between the first and the last streamed token, and the time to the first. Not part of CI.
 
 Usage: .venv/bin/python scripts/serve-stream-probe.py [--draft none] [--pairs 8] [--tokens 96] [--port 8398]
-           [--kinds not-streamed,bytes,openai,in-process,ours-client,llama-server]
+           [--kinds not-streamed,bytes,openai,in-process,ours-client,llama-server] [--prompt TEMPLATE]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kinds", default="not-streamed,bytes,openai")
     ap.add_argument("--llama-bin", default=".llama-cpp-tools/build/bin")
+    ap.add_argument("--prompt", default="Write a Python class for a {i}-legged robot, with methods to walk, turn and "
+                    "report its state.", help="{i}: the pair's number (a prompt of its own every pair)")
     args = ap.parse_args()
     kind_names = args.kinds.split(",")
     base, llama_base = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
@@ -61,8 +63,7 @@ def main() -> None:
 
         def body(i: int, stream: bool) -> dict:
             return dict(model="qwen2.5-coder-1.5b", max_tokens=args.tokens, temperature=0, stream=stream,
-                        messages=[{"role": "user", "content": f"Write a Python class for a {i}-legged robot, with methods "
-                                                            "to walk, turn and report its state."}])
+                        messages=[{"role": "user", "content": args.prompt.format(i=i)}])
 
         def not_streamed(i):
             httpx.post(base + "/v1/chat/completions", json=body(i, False), timeout=300)
@@ -91,14 +92,21 @@ def main() -> None:
             return (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1e3
 
         ttft: dict[str, list[float]] = {}
-        local = None
-        if "in-process" in kind_names:
-            from specdecode.pipeline import SpecDecoder
-            local = SpecDecoder.from_specs("qwen2.5-coder-1.5b", None if args.draft == "none" else args.draft,
-                                           backend="llama.cpp", threads=args.threads, max_rows=8)
+        engine = None
+        if "in-process" in kind_names:  # the server's engine: 8 rows, its drafter and controller
+            from specdecode.batch import BatchEngine
+            from specdecode.encoding import encode_prompt
+            from specdecode.pipeline import load_components
+            model, tok, drafter, k, adaptive = load_components(
+                "qwen2.5-coder-1.5b", None if args.draft == "none" else args.draft, backend="llama.cpp",
+                threads=args.threads, max_rows=8)
+            engine = BatchEngine(model, drafter, tok, k=k, adaptive=adaptive, max_batch=8)
 
         def in_process(i):
-            stats = local.generate(body(i, False)["messages"], chat=True, max_new_tokens=args.tokens).stats
+            seq = engine.submit(encode_prompt(tok, body(i, False)["messages"], chat=True), max_new_tokens=args.tokens)
+            while engine.has_work:
+                engine.step()
+            stats = seq.stats
             return (stats.total_time_s - stats.time_to_first_token_s) / stats.steps * 1e3
 
         every = {"not-streamed": not_streamed, "bytes": bytes_only, "openai": openai_client, "in-process": in_process,

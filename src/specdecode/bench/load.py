@@ -268,8 +268,8 @@ def load_markdown(rows: list[dict], command: str) -> str:
         lines.append(
             f"| {r['label']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {f(r['output_tokens_per_s'])} | "
             f"{spread(r.get('round_tokens_per_s'))} | {versus(r.get('vs_baseline_by_round'))} | {f(r['latency_p50'])} | "
-            f"{f(r['latency_p90'])} | {f(r['latency_p99'])} | {versus(r.get('p99_vs_baseline_by_round'))} | {f(r['ttft_p50'])} | {f(r['ttft_p99'])} | "
-            f"{f(r['itl_p50'], 1000, 0)} |"
+            f"{f(r['latency_p90'])} | {f(r['latency_p99'])} | {versus(r.get('p99_vs_baseline_by_round'))} | "
+            f"{f(r['ttft_p50'])} | {f(r['ttft_p99'])} | {f(r['itl_p50'], 1000, 0)} |"
         )
     chats = [r for r in rows if r.get("turns", 1) > 1]
     if chats:
