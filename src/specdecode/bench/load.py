@@ -193,8 +193,9 @@ def pooled_row(label: str, levels: list[LevelResult]) -> dict:
     summary = pooled.summary()
     summary["label"] = label
     summary["rounds"] = len(levels)
-    summary["round_tokens_per_s"] = [level.summary()["output_tokens_per_s"] for level in levels]
-    summary["round_latency_p99"] = [level.summary()["latency_p99"] for level in levels]
+    per_round = [level.summary() for level in levels]
+    summary["round_tokens_per_s"] = [one["output_tokens_per_s"] for one in per_round]
+    summary["round_latency_p99"] = [one["latency_p99"] for one in per_round]
     summary["errors_sample"] = [r.error for r in pooled.requests if not r.ok][:3]
     summary["raw"] = [asdict(r) for r in pooled.requests]
     return summary
@@ -204,20 +205,19 @@ def pool_runs(runs: list[dict]) -> list[dict]:
     """Pool several load runs (their load.json contents) per endpoint label and level: e.g. servers measured
     one at a time, each run holding one of them, alternating order between rounds."""
     levels: dict[tuple[str, int], list[LevelResult]] = {}
-    round_rates: dict[tuple[str, int], list[float]] = {}
-    round_p99: dict[tuple[str, int], list[float]] = {}
+    per_round = {"round_tokens_per_s": "output_tokens_per_s", "round_latency_p99": "latency_p99"}  # -> a run's pooled
+    rounds: dict[tuple[str, int], dict[str, list[float]]] = {}
     for run in runs:
         for row in run["rows"]:
             key = (row["label"], row["concurrency"])
             levels.setdefault(key, []).append(
                 LevelResult(row["endpoint"], row["concurrency"], row["wall_s"], [RequestResult(**r) for r in row["raw"]]))
-            round_rates.setdefault(key, []).extend(row.get("round_tokens_per_s") or [row["output_tokens_per_s"]])
-            round_p99.setdefault(key, []).extend(row.get("round_latency_p99") or [row["latency_p99"]])
+            for name, pooled in per_round.items():
+                rounds.setdefault(key, {}).setdefault(name, []).extend(row.get(name) or [row[pooled]])
     rows = []
     for key in sorted(levels, key=lambda key: key[1]):  # by level; labels in first-seen order (sort is stable)
-        row = pooled_row(key[0], levels[key])
-        row["round_tokens_per_s"], row["rounds"] = round_rates[key], len(round_rates[key])
-        row["round_latency_p99"] = round_p99[key]
+        row = pooled_row(key[0], levels[key]) | rounds[key]
+        row["rounds"] = len(rounds[key]["round_tokens_per_s"])
         rows.append(row)
     return rows
 
