@@ -6,10 +6,16 @@ cost the server's steps, the three columns part. `--kinds` picks columns; `in-pr
 process (the server's engine: same model, 8 rows, drafter and controller, loaded and stepped on one thread),
 between the server's, so a server step and an in-process step are timed in the same minute. `ours-client` and
 `llama-server` (llama.cpp's own server, `--llama-bin`, on the next port, the same GGUF and threads) are timed by the
-client instead: ms a token between the first and the last streamed token, and the time to the first. Not part of CI.
+client instead: ms a token between the first and the last streamed token, and the time to the first.
+`--concurrency N` (N > 1): a load level instead of one request, for `in-process`, `ours-client` and `llama-server`:
+each runs `--requests` fresh Spec-Bench prompts (tasks in turn, a slice of its own every pair, the same slice for
+every kind), N at a time, the next sent as one ends (the load benchmark's closed loop), with end tokens; tok/s. Where
+a level's loss lies: the engine (in-process against llama-server) or serving (our server against in-process). Not part
+of CI.
 
 Usage: .venv/bin/python scripts/serve-stream-probe.py [--draft none] [--pairs 8] [--tokens 96] [--port 8398]
            [--kinds not-streamed,bytes,openai,in-process,ours-client,llama-server] [--prompt TEMPLATE]
+           [--concurrency 4 --requests 8 --first 0]
 """
 
 from __future__ import annotations
@@ -39,7 +45,11 @@ def main() -> None:
     ap.add_argument("--llama-bin", default=".llama-cpp-tools/build/bin")
     ap.add_argument("--prompt", default="Write a Python class for a {i}-legged robot, with methods to walk, turn and "
                     "report its state.", help="{i}: the pair's number (a prompt of its own every pair)")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=8, help="a level's requests (with --concurrency N > 1)")
+    ap.add_argument("--first", type=int, default=0, help="the first Spec-Bench prompt of a level (tasks in turn)")
     args = ap.parse_args()
+    level = args.concurrency > 1
     kind_names = args.kinds.split(",")
     base, llama_base = f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}"
     log = tempfile.NamedTemporaryFile("w+", suffix=".log")
@@ -109,15 +119,52 @@ def main() -> None:
             stats = seq.stats
             return (stats.total_time_s - stats.time_to_first_token_s) / stats.steps * 1e3
 
+        def level_prompts(pair: int) -> list[list[dict]]:
+            """The pair's slice of fresh Spec-Bench prompts, as chat messages (the same for every kind)."""
+            from specdecode.bench.load import tasks_in_turn
+            from specdecode.prompts import load_prompts
+            first = args.first + pair * args.requests
+            prompts = tasks_in_turn(load_prompts("specbench", per_task=-(-(first + args.requests) // 6)))
+            return [[{"role": "user", "content": p.text}] for p in prompts[first : first + args.requests]]
+
+        def in_process_level(pair):
+            """tok/s of the closed loop on the server's engine in this process, ending at end tokens as a server does."""
+            from specdecode.encoding import eos_token_ids
+            from specdecode.stopping import StopCondition
+            inputs = [encode_prompt(tok, messages, chat=True) for messages in level_prompts(pair)]
+            stop, running, done = StopCondition(eos_token_ids(engine.backend, tok), (), tok), [], []
+            start = time.perf_counter()
+            while inputs or running:
+                while inputs and len(running) < args.concurrency:
+                    running.append(engine.submit(inputs.pop(0), max_new_tokens=args.tokens, stop=stop))
+                engine.step()
+                done += [seq for seq in running if seq.finished]
+                running = [seq for seq in running if not seq.finished]
+            return sum(len(seq.result.token_ids) for seq in done) / (time.perf_counter() - start)
+
+        def client_level(url, pair):
+            """tok/s of the closed loop through a server (the load benchmark's client)."""
+            import asyncio
+
+            from specdecode.bench.load import run_level
+            result = asyncio.run(run_level(url, None, level_prompts(pair), args.concurrency, args.requests, args.tokens,
+                                           0.0, 900.0))
+            return sum(r.completion_tokens for r in result.requests if r.ok) / result.wall_s
+
         every = {"not-streamed": not_streamed, "bytes": bytes_only, "openai": openai_client, "in-process": in_process,
                  "ours-client": lambda i: client_timed(base, i), "llama-server": lambda i: client_timed(llama_base, i)}
+        if level:
+            every = {"in-process": in_process_level, "ours-client": lambda i: client_level(base, i),
+                     "llama-server": lambda i: client_level(llama_base, i)}
+            if set(kind_names) - set(every):
+                raise SystemExit(f"--concurrency runs only {', '.join(every)}")
         kinds = [(name, every[name]) for name in kind_names]
         by_kind: dict[str, list[float]] = {}
         logged = []  # every request to our server, in the order sent: its log's lines, in that order
         for pair in range(args.pairs):
             for name, send in kinds if pair % 2 else kinds[::-1]:
-                ms = send(pair + 3)  # one prompt a pair
-                if name not in ("in-process", "llama-server"):
+                ms = send(pair if level else pair + 3)  # prompts of its own every pair
+                if name not in ("in-process", "llama-server") and not level:
                     logged.append(name if ms is None else f"{name} (server log)")
                 if ms is not None:
                     by_kind.setdefault(name, []).append(ms)
@@ -132,8 +179,9 @@ def main() -> None:
         by_kind.setdefault(name, []).append(ms)
     load = re.search(r"scored: 1: ([0-9.]+)", text)
     print(f"one-token pass timed at load: {load.group(1) if load else '?'} ms")
+    unit = f"tok/s at {args.concurrency} at a time" if level else "ms a step"
     for name, values in by_kind.items():
-        print(f"{name:>14}: {statistics.median(values):.1f} ms a step (median; {' '.join(f'{v:.1f}' for v in values)})")
+        print(f"{name:>14}: {statistics.median(values):.1f} {unit} (median; {' '.join(f'{v:.1f}' for v in values)})")
     first = next(iter(by_kind))
     for name, values in by_kind.items():
         if name != first and len(values) == len(by_kind[first]):

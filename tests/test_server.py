@@ -184,6 +184,8 @@ def test_metrics_counters_move(server):
                  "specdecode_draft_seconds_bucket", "specdecode_speculation_on", "specdecode_step_seconds_bucket",
                  "specdecode_admit_seconds_bucket"):
         assert name in text
+    steps_s = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("specdecode_step_seconds_sum{"))
+    assert 0 < metric(server, "specdecode_scheduler_between_steps_seconds_total") < steps_s
     calibrated = server.service.engine.calibration["verify_s"]  # the prices the controller started from, by width
     assert len(calibrated) >= 4
     for width, seconds in calibrated.items():

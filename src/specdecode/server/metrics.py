@@ -57,6 +57,10 @@ class Metrics:
         self.admit_seconds = Histogram("specdecode_admit_seconds", "Prefill of the requests that joined, per step that admitted any", buckets=STEP_BUCKETS, registry=r)
         self.step_seconds = Histogram("specdecode_step_seconds", "Whole engine step, by rows in the pass (compare servers step by step)",
                                       ["rows"], buckets=STEP_BUCKETS, registry=r)
+        self.between_steps = Counter(
+            "specdecode_scheduler_between_steps_seconds", "Time the scheduler thread spent between engine steps (handing "
+            "tokens to their requests, detokenizing, these metrics): serving's own cost on the steps' critical path; against "
+            "specdecode_step_seconds_sum, what serving adds to the engine", registry=r)
         self.ttft = Histogram("specdecode_time_to_first_token_seconds", "Submission to first token", buckets=REQUEST_BUCKETS, registry=r)
         self.latency = Histogram("specdecode_request_seconds", "Submission to last token", buckets=REQUEST_BUCKETS, registry=r)
         self.calibrated_pass = Gauge(

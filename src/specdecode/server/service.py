@@ -266,6 +266,7 @@ class Service:
                 for seq in self.engine.abort():
                     self._fail(seq, f"generation failed: {type(error).__name__}: {error}", 500)
                 continue
+            handed = time.perf_counter()
             for seq, _ in report.events:
                 self._deliver(seq)
             for seq in report.finished:
@@ -274,6 +275,7 @@ class Service:
                 log.debug("%s", step_line(report, len(self.engine.rows), self.engine.waiting))
             self.metrics.record_step(report, len(self.engine.rows), self.engine.waiting)
             self.metrics.record_prefix_cache(self.engine.backend.prefix_cache)
+            self.metrics.between_steps.inc(time.perf_counter() - handed)
 
     def _deliver(self, seq: Sequence) -> None:
         with self._lock:
