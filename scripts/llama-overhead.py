@@ -41,6 +41,10 @@ def main() -> None:
     ap.add_argument("--prompts", default=None, help="a prompt set (e.g. specbench): a fresh prompt every pair")
     ap.add_argument("--per-task", type=int, default=4)
     args = ap.parse_args()
+    if args.max_batch > 1 and not args.prompts and args.method != "plain":
+        # rows of a batch engine draft with spawned drafters: forgetting on the engine's own would leave each run's
+        # answer in the shared suffix cache, and the next run of the same prompt would copy it
+        ap.error("--max-batch > 1 needs --prompts (a fresh prompt every pair)")
 
     decode_s = collections.Counter()
     original = llama_cpp.llama_decode
