@@ -2,7 +2,8 @@
 """A load level's closed loop replayed on a pass-cost curve: how llama-server schedules (every arrival read whole in
 the next pass, beside the rows) against how our engine does (the shortest waiting prompt first, read beside the rows
 in chunks of READ_PER_ROWS_PART x the rows' part of a step, 512 a step while 512+ wait; alone and whole on an idle
-engine). Requests are a load.json's rounds (prompt and answer lengths, shuffled into several arrival orders); a pass
+engine). Requests are a load.json's rounds (prompt and answer lengths, in the order they were sent where load.json
+has send times, `sent_s`, else shuffled into several arrival orders); a pass
 of n tokens costs the curve at n (single sequence, depth 0: llama-bench's pp/tg). Prints tok/s, the slowest
 request's latency and median TTFT by policy, round by round. What the scheduling alone is worth at that level, apart
 from the machine's noise. Not part of CI.
@@ -125,14 +126,15 @@ def main() -> None:
             continue
         per_round = len(row["raw"]) // row["rounds"]
         for r in range(row["rounds"]):
-            requests = [(x["prompt_tokens"], x["completion_tokens"]) for x in row["raw"][r * per_round : (r + 1) * per_round]]
+            sent = row["raw"][r * per_round : (r + 1) * per_round]
+            requests = [(x["prompt_tokens"], x["completion_tokens"]) for x in sent]
+            if all("sent_s" in x for x in sent):  # the queue's order is the order sent
+                orders = [[requests[i] for i in sorted(range(len(sent)), key=lambda i: sent[i]["sent_s"])]]
+            else:
+                orders = [random.Random(seed).sample(requests, len(requests)) for seed in range(args.orders)]
             line = []
             for policy in ("llama-server", "ours"):
-                runs = []
-                for seed in range(args.orders):
-                    order = requests[:]
-                    random.Random(seed).shuffle(order)
-                    runs.append(simulate(order, policy, args.concurrency, curve))
+                runs = [simulate(order, policy, args.concurrency, curve) for order in orders]
                 line.append(f"{policy}: {statistics.median(x[0] for x in runs):.2f} tok/s, slowest "
                             f"{statistics.median(x[1] for x in runs):.1f} s, TTFT p50 {statistics.median(x[2] for x in runs):.1f} s")
             print(f"round {r + 1}: " + "; ".join(line))

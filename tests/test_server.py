@@ -266,6 +266,13 @@ def test_load_benchmark_against_two_endpoints(server, tmp_path):
         assert r["requests"] == 3 and r["errors"] == 0
         assert 0 < r["output_tokens"] <= 18 and r["output_tokens_per_s"] > 0
         assert r["ttft_p50"] <= r["latency_p50"]
+        # send times, for a replay in the order sent: one at a time, each after the one before ended; three at once
+        sent = sorted(x["sent_s"] for x in r["raw"])
+        ends = sorted(x["sent_s"] + x["latency_s"] for x in r["raw"])
+        if r["concurrency"] == 1:
+            assert all(later >= end for later, end in zip(sent[1:], ends))
+        else:
+            assert sent[-1] < ends[0]
     assert (out / "load.png").stat().st_size > 0 and "| a | 3 |" in (out / "load.md").read_text()
 
 

@@ -33,6 +33,7 @@ class RequestResult:
     turn: int = 0  # of its conversation (chat traffic), from 0
     prompt_tokens: int = 0  # as the server's usage reports them
     cached_tokens: int | None = None  # of them, served from its prompt cache (None: not reported)
+    sent_s: float = 0.0  # when it was sent, seconds after its level began (a replay's arrival order and times)
 
 
 @dataclass
@@ -148,8 +149,9 @@ async def run_level(url: str, model: str | None, prompts: list[list[dict]], conc
             i = queue.pop(0)
             messages = list(prompts[(first + i) % len(prompts)])
             for turn in range(turns):
+                sent = time.perf_counter() - start
                 result, answer = await _one(client, model, messages, max_tokens, temperature)
-                result.turn = turn
+                result.turn, result.sent_s = turn, sent
                 results.append(result)
                 if progress:
                     progress(1)
