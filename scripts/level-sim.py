@@ -3,10 +3,9 @@
 the next pass, beside the rows) against how our engine does (the shortest waiting prompt first, read beside the rows
 in chunks of READ_PER_ROWS_PART x the rows' part of a step, 512 a step while 512+ wait; alone and whole on an idle
 engine). Requests are a load.json's rounds (prompt and answer lengths, in the order they were sent where load.json
-has send times, `sent_s`, else shuffled into several arrival orders); a pass
-of n tokens costs the curve at n (single sequence, depth 0: llama-bench's pp/tg). Prints tok/s, the slowest
-request's latency and median TTFT by policy, round by round. What the scheduling alone is worth at that level, apart
-from the machine's noise. Not part of CI.
+has send times, `sent_s`, else shuffled into several arrival orders); a pass of n tokens costs the curve at n (single
+sequence, depth 0: llama-bench's pp/tg). Prints tok/s, the slowest request's latency and median TTFT by policy, round
+by round. What the scheduling alone is worth at that level, apart from the machine's noise. Not part of CI.
 
 Usage: python scripts/level-sim.py LOAD_JSON [--concurrency 4] [--label llama-server] [--orders 30]
            [--pass-ms 1:34.4,4:74.7,16:188,32:321,64:592,128:1151,256:2372,512:4669,826:8019]
@@ -22,6 +21,8 @@ import statistics
 
 SYSTEM_TOKENS = 24  # the chat template's system prompt: served from the prefix cache on both servers
 UBATCH = 512
+# specdecode.batch's chunk rule (kept here so the replay runs without torch)
+READ_PER_ROWS_PART, DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK = 8, 64, 512
 
 
 def pass_seconds(curve: list[tuple[int, float]], n: int) -> float:
@@ -89,7 +90,10 @@ def simulate(requests: list[tuple[int, int]], policy: str, concurrency: int, cur
         else:
             to_read = sum(reading.values()) + sum(prompt[i] for i in waiting)
             rows_part = pass_seconds(curve, len(rows)) if rows else 0.0
-            budget = UBATCH if to_read >= UBATCH else int(min(UBATCH, max(64, 8 * rows_part / (curve[-1][1] / curve[-1][0] / 1000))))
+            read_s_per_token = curve[-1][1] / curve[-1][0] / 1000
+            wanted = READ_PER_ROWS_PART * rows_part / read_s_per_token
+            budget = (MAX_PREFILL_CHUNK if to_read >= MAX_PREFILL_CHUNK
+                      else int(min(MAX_PREFILL_CHUNK, max(DEFAULT_PREFILL_CHUNK, wanted))))
             reads = []
             for i in sorted(waiting, key=prompt.get):
                 if len(rows) + len(reading) < concurrency:
