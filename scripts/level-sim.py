@@ -5,10 +5,12 @@ in chunks of READ_PER_ROWS_PART x the rows' part of a step, 512 a step while 512
 engine). Requests are a load.json's rounds (prompt and answer lengths, in the order they were sent where load.json
 has send times, `sent_s`, else shuffled into several arrival orders); a pass of n tokens costs the curve at n (single
 sequence, depth 0: llama-bench's pp/tg). Prints tok/s, the slowest request's latency and median TTFT by policy, round
-by round. What the scheduling alone is worth at that level, apart from the machine's noise. Not part of CI.
+by round. What the scheduling alone is worth at that level, apart from the machine's noise. `--hold F` adds session
+37's rule to ours: an arrival is not opened while rows run and none is being read if every row would end (at its
+token limit) within F x the arrival's reading time (a rule tried here, not in the engine). Not part of CI.
 
 Usage: python scripts/level-sim.py LOAD_JSON [--concurrency 4] [--label llama-server] [--orders 30]
-           [--pass-ms 1:34.4,4:74.7,16:188,32:321,64:592,128:1151,256:2372,512:4669,826:8019]
+           [--hold F --max-new-tokens 64] [--pass-ms 1:34.4,4:74.7,16:188,32:321,64:592,128:1151,256:2372,512:4669,826:8019]
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def pass_seconds(curve: list[tuple[int, float]], n: int) -> float:
     return total / 1000
 
 
-def simulate(requests: list[tuple[int, int]], policy: str, concurrency: int, curve) -> tuple[float, float, float]:
+def simulate(requests: list[tuple[int, int]], policy: str, concurrency: int, curve, hold: float = 0.0,
+             max_new_tokens: int = 64) -> tuple[float, float, float]:
     """(tok/s, slowest latency, median TTFT) of `requests` (prompt, answer tokens) sent `concurrency` at a time."""
     queue, now = list(range(len(requests))), 0.0
     arrival, first, done = {}, {}, {}
@@ -88,14 +91,18 @@ def simulate(requests: list[tuple[int, int]], policy: str, concurrency: int, cur
             now += pass_seconds(curve, prompt[i])
             join(i)
         else:
+            read_s_per_token = curve[-1][1] / curve[-1][0] / 1000
             to_read = sum(reading.values()) + sum(prompt[i] for i in waiting)
             rows_part = pass_seconds(curve, len(rows)) if rows else 0.0
-            read_s_per_token = curve[-1][1] / curve[-1][0] / 1000
             wanted = READ_PER_ROWS_PART * rows_part / read_s_per_token
             budget = (MAX_PREFILL_CHUNK if to_read >= MAX_PREFILL_CHUNK
                       else int(min(MAX_PREFILL_CHUNK, max(DEFAULT_PREFILL_CHUNK, wanted))))
             reads = []
             for i in sorted(waiting, key=prompt.get):
+                if hold and rows and not reading:
+                    may_make = max(max_new_tokens - (requests[j][1] - rows[j]) for j in rows)  # the engine knows no more
+                    if may_make * pass_seconds(curve, len(rows)) <= hold * prompt[i] * read_s_per_token:
+                        continue
                 if len(rows) + len(reading) < concurrency:
                     waiting.remove(i)
                     reading[i] = prompt[i]
@@ -122,6 +129,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--label", default="llama-server", help="whose rows' requests to replay (all servers got the same)")
     ap.add_argument("--orders", type=int, default=30)
+    ap.add_argument("--hold", type=float, default=0.0, help="session 37's hold rule for ours, at this factor (0: off)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="the load's token limit (what --hold bounds rows by)")
     ap.add_argument("--pass-ms", default="1:34.4,4:74.7,16:188,32:321,64:592,128:1151,256:2372,512:4669,826:8019")
     args = ap.parse_args()
     curve = sorted((int(w), float(ms)) for w, ms in (p.split(":") for p in args.pass_ms.split(",")))
@@ -138,7 +147,7 @@ def main() -> None:
                 orders = [random.Random(seed).sample(requests, len(requests)) for seed in range(args.orders)]
             line = []
             for policy in ("llama-server", "ours"):
-                runs = [simulate(order, policy, args.concurrency, curve) for order in orders]
+                runs = [simulate(order, policy, args.concurrency, curve, args.hold, args.max_new_tokens) for order in orders]
                 line.append(f"{policy}: {statistics.median(x[0] for x in runs):.2f} tok/s, slowest "
                             f"{statistics.median(x[1] for x in runs):.1f} s, TTFT p50 {statistics.median(x[2] for x in runs):.1f} s")
             print(f"round {r + 1}: " + "; ".join(line))
