@@ -29,10 +29,9 @@ READ_PER_ROWS_PART, DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK = 8, 64, 512
 
 def pass_seconds(curve: list[tuple[int, float]], n: int) -> float:
     """One decode of n tokens, split into ubatches of UBATCH as llama.cpp does; linear between the curve's points."""
-    total = 0.0
+    total, widths = 0.0, [w for w, _ in curve]
     while n > 0:
         m, n = min(n, UBATCH), n - UBATCH
-        widths = [w for w, _ in curve]
         i = bisect.bisect_left(widths, m)
         if i == len(curve):
             total += curve[-1][1] * m / curve[-1][0]
@@ -78,6 +77,7 @@ def simulate(requests: list[tuple[int, int]], policy: str, concurrency: int, cur
     for _ in range(concurrency):
         send()
     prompt = {i: requests[i][0] - SYSTEM_TOKENS for i in range(len(requests))}
+    read_s_per_token = curve[-1][1] / curve[-1][0] / 1000  # the curve's widest pass: a prompt read whole
     while len(done) < len(requests):
         if policy == "llama-server":
             new, waiting[:] = list(waiting), []
@@ -91,7 +91,6 @@ def simulate(requests: list[tuple[int, int]], policy: str, concurrency: int, cur
             now += pass_seconds(curve, prompt[i])
             join(i)
         else:
-            read_s_per_token = curve[-1][1] / curve[-1][0] / 1000
             to_read = sum(reading.values()) + sum(prompt[i] for i in waiting)
             rows_part = pass_seconds(curve, len(rows)) if rows else 0.0
             wanted = READ_PER_ROWS_PART * rows_part / read_s_per_token

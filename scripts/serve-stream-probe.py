@@ -119,13 +119,16 @@ def main() -> None:
             stats = seq.stats
             return (stats.total_time_s - stats.time_to_first_token_s) / stats.steps * 1e3
 
-        def level_prompts(pair: int) -> list[list[dict]]:
-            """The pair's slice of fresh Spec-Bench prompts, as chat messages (the same for every kind)."""
+        if level:  # every pair's prompts, read once: tasks in turn, so a longer list keeps the same first slices
             from specdecode.bench.load import tasks_in_turn
             from specdecode.prompts import load_prompts
+            end = args.first + args.pairs * args.requests
+            spec_bench = tasks_in_turn(load_prompts("specbench", per_task=-(-end // 6)))
+
+        def level_prompts(pair: int) -> list[list[dict]]:
+            """The pair's slice of fresh Spec-Bench prompts, as chat messages (the same for every kind)."""
             first = args.first + pair * args.requests
-            prompts = tasks_in_turn(load_prompts("specbench", per_task=-(-(first + args.requests) // 6)))
-            return [[{"role": "user", "content": p.text}] for p in prompts[first : first + args.requests]]
+            return [[{"role": "user", "content": p.text}] for p in spec_bench[first : first + args.requests]]
 
         def in_process_level(pair):
             """tok/s of the closed loop on the server's engine in this process, ending at end tokens as a server does."""
