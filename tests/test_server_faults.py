@@ -55,6 +55,38 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
     assert running.result.token_ids == reference_greedy(target, random_prompt(1, 5), 60)
 
 
+
+@pytest.mark.parametrize("rows, waits_for", [
+    ([(12, 100)], [0]),  # old, ending within the stall: it ends first
+    ([(12, 0)], []),  # ending, but younger than the stall: the prompt is read at once
+    ([(60, 100)], []),  # old, but further from its end than the stall
+    ([(12, 100), (60, 0)], [0]),  # one old ending row is enough; the other runs on beside the reading
+    ([(12, 0), (60, 100)], []),
+])
+def test_a_prompt_waits_for_a_row_that_waited_longer_than_its_reading_would_stall_it_and_ends_within_that(
+        target, monkeypatch, rows, waits_for):
+    """Priced at 0.1 s a prompt token and 0.5 s a step, a 100-token prompt would stall each running row's next token
+    10 s. rows: (token budget, seconds the row has waited). A row older than 10 s with at most 20 steps left ends
+    before the prompt is read; otherwise it is read at once, beside the rows. The answers are the solo ones."""
+    engine = BatchEngine(target, None, max_batch=4)
+    engine.chunks.read_s_per_token.value, engine.chunks.rows_part_s.value = 0.1, 0.5
+    monkeypatch.setattr(engine.chunks, "observe_read", lambda tokens, seconds: None)  # those prices stay
+    monkeypatch.setattr(engine.chunks, "observe_rows", lambda seconds, read_in_pass=0: None)
+    running = [engine.submit(random_prompt(seed, 5), max_new_tokens=budget) for seed, (budget, _) in enumerate(rows)]
+    for seq, (_, age) in zip(running, rows):
+        seq.started -= age
+    while any(not seq.result.token_ids for seq in running):
+        engine.step()
+    late = engine.submit(random_prompt(9, 100), max_new_tokens=4)
+    while not late.result.token_ids:
+        engine.step()
+    assert [i for i, seq in enumerate(running) if seq.finished] == waits_for
+    while engine.has_work:
+        engine.step()
+    assert late.result.token_ids == reference_greedy(target, random_prompt(9, 100), 4)
+    for seed, seq in enumerate(running):
+        assert seq.result.token_ids == reference_greedy(target, random_prompt(seed, 5), seq.max_new_tokens)
+
 def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target):
     """Three long prompts arrive together: the first is read whole and its token goes out in that step; the others
     are read in chunks beside its row, so the first does not wait for all three to be read."""

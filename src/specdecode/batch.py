@@ -410,6 +410,8 @@ class BatchEngine:
         if not self.rows:
             self._read_one_whole(report)
             return []
+        if not self._reading and self._an_ending_row_goes_first():
+            return []
         budget, reads, i = self.chunks.chunk(self._prompt_tokens_waiting()), [], 0
         while budget > 0:
             if i == len(self._reading) and not self._open_next(report):
@@ -423,6 +425,26 @@ class BatchEngine:
             budget -= take
             i += 1
         return reads
+
+    def _an_ending_row_goes_first(self) -> bool:
+        """Whether the next prompt waits for a running row that has waited at least as long as reading that prompt
+        beside it would stall it (S: the shortest waiting prompt's tokens to read at the measured rate) and ends, its
+        token budget spent, within S at the rows' measured step time. The new request then waits less than the stall
+        it spares that row, and no row already that old is pushed past the newcomer's own wait: the slowest answers
+        at 4 concurrent requests were rows read early that decoded through a later arrival's reading (replayed with
+        scripts/level-sim.py --rule ending-row-first). The wait is bounded: no row is admitted meanwhile, and every
+        running row ends within its budget."""
+        per_token, rows_s = self.chunks.read_s_per_token.value, self.chunks.rows_part_s.value
+        if per_token is None or rows_s is None or self.chunks.fixed is not None:
+            return False
+        with self._lock:
+            waiting = list(islice(self._pending, SHORTEST_AMONG))
+        if not waiting or len(self.rows) >= self.max_batch:
+            return False
+        stall = per_token * min(self.backend.to_read(seq.prompt) for seq in waiting)
+        now = time.perf_counter()
+        return any(now - seq.started >= stall and (seq.max_new_tokens - seq.generated) * rows_s <= stall
+                   for seq in self.rows)
 
     def _prompt_tokens_waiting(self) -> int:
         """Prompt tokens of the queue and those being read, counted whole: a chat turn re-sending a cached history
