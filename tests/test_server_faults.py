@@ -56,18 +56,21 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
 
 
 
-@pytest.mark.parametrize("rows, waits_for", [
-    ([(12, 100)], [0]),  # old, ending within the stall: it ends first
-    ([(12, 0)], []),  # ending, but younger than the stall: the prompt is read at once
-    ([(60, 100)], []),  # old, but further from its end than the stall
-    ([(12, 100), (60, 0)], [0]),  # one old ending row is enough; the other runs on beside the reading
-    ([(12, 0), (60, 100)], []),
+@pytest.mark.parametrize("rows, late, waits_for", [
+    ([(12, 100)], 1, [0]),  # old, ending within the stall: it ends first
+    ([(12, 0)], 1, []),  # ending, but younger than the stall: the prompt is read at once
+    ([(60, 100)], 1, []),  # old, but further from its end than the stall
+    ([(12, 100), (60, 0)], 1, [0]),  # one old ending row for one prompt; the other row runs on beside the reading
+    ([(12, 0), (60, 100)], 1, []),
+    ([(12, 100), (60, 0)], 2, []),  # two prompts wait: their waits would outweigh the one row's stall
+    ([(12, 100), (14, 100)], 2, [0, 1]),
 ])
-def test_a_prompt_waits_for_a_row_that_waited_longer_than_its_reading_would_stall_it_and_ends_within_that(
-        target, monkeypatch, rows, waits_for):
+def test_prompts_wait_for_as_many_rows_that_waited_longer_than_their_reading_would_stall_them_and_end_within_that(
+        target, monkeypatch, rows, late, waits_for):
     """Priced at 0.1 s a prompt token and 0.5 s a step, a 100-token prompt would stall each running row's next token
-    10 s. rows: (token budget, seconds the row has waited). A row older than 10 s with at most 20 steps left ends
-    before the prompt is read; otherwise it is read at once, beside the rows. The answers are the solo ones."""
+    10 s. rows: (token budget, seconds the row has waited). Rows older than 10 s with at most 20 steps left end
+    before the prompts are read, where there are as many of them as prompts waiting; otherwise the prompts are read
+    at once, beside the rows. The answers are the solo ones."""
     engine = BatchEngine(target, None, max_batch=4)
     engine.chunks.read_s_per_token.value, engine.chunks.rows_part_s.value = 0.1, 0.5
     monkeypatch.setattr(engine.chunks, "observe_read", lambda tokens, seconds: None)  # those prices stay
@@ -77,13 +80,15 @@ def test_a_prompt_waits_for_a_row_that_waited_longer_than_its_reading_would_stal
         seq.started -= age
     while any(not seq.result.token_ids for seq in running):
         engine.step()
-    late = engine.submit(random_prompt(9, 100), max_new_tokens=4)
-    while not late.result.token_ids:
+    prompts = [random_prompt(9 + i, 100 + i) for i in range(late)]
+    late_seqs = [engine.submit(prompt, max_new_tokens=4) for prompt in prompts]
+    while not any(seq.result.token_ids for seq in late_seqs):
         engine.step()
     assert [i for i, seq in enumerate(running) if seq.finished] == waits_for
     while engine.has_work:
         engine.step()
-    assert late.result.token_ids == reference_greedy(target, random_prompt(9, 100), 4)
+    for prompt, seq in zip(prompts, late_seqs):
+        assert seq.result.token_ids == reference_greedy(target, prompt, 4)
     for seed, seq in enumerate(running):
         assert seq.result.token_ids == reference_greedy(target, random_prompt(seed, 5), seq.max_new_tokens)
 
