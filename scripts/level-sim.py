@@ -11,8 +11,8 @@ TTFT by policy, round by round, then ours against llama-server's over every roun
 alone is worth at that level, apart from the machine's noise. Not part of CI.
 
 Rules for ours (an arrival not opened while rows run and none is being read; S = its reading time):
-  ending-row-first  the engine's (batch.BatchEngine._an_ending_row_goes_first): while some row has waited >= S and
-                    ends, at its token limit, within S
+  ending-row-first  the engine's (batch.BatchEngine._an_ending_row_goes_first): while some row ends, at its token
+                    limit, within S and has waited S longer than any waiting request
   all-rows-end      session 37's, reverted: while every row ends within S
   none              read at once (sessions 18-39)
 
@@ -104,7 +104,8 @@ def simulate(chains: list[list[tuple[int, int, int]]], policy: str, concurrency:
         ends_in = {j: (max_new_tokens - (requests[j][2] - rows[j])) * step for j in rows}  # the engine knows no more
         if rule == "all-rows-end":
             return max(ends_in.values()) <= stall
-        return any(ends_in[j] <= stall and now - arrival[j] >= stall for j in rows)
+        waited = max(now - arrival[j] for j in waiting)
+        return any(ends_in[j] <= stall and now - arrival[j] >= waited + stall for j in rows)
 
     for _ in range(concurrency):
         send()

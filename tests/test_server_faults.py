@@ -57,19 +57,18 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
 
 
 @pytest.mark.parametrize("rows, late, waits_for", [
-    ([(12, 100)], 1, [0]),  # old, ending within the stall: it ends first
-    ([(12, 0)], 1, []),  # ending, but younger than the stall: the prompt is read at once
-    ([(60, 100)], 1, []),  # old, but further from its end than the stall
-    ([(12, 100), (60, 0)], 1, [0]),  # one old ending row for one prompt; the other row runs on beside the reading
-    ([(12, 0), (60, 100)], 1, []),
-    ([(12, 100), (60, 0)], 2, []),  # two prompts wait: their waits would outweigh the one row's stall
-    ([(12, 100), (14, 100)], 2, [0, 1]),
+    ([(12, 100)], [0], [0]),  # ending within the stall, 100 s older than the prompt: it ends first
+    ([(12, 5)], [0], []),  # ending, but it has waited less than the stall: the prompt is read at once
+    ([(12, 100)], [95], []),  # ... or less than the stall longer than the prompt
+    ([(60, 100)], [0], []),  # old, but further from its end than the stall
+    ([(12, 100), (60, 0)], [0, 0], [0]),  # one such row is enough; the other runs on beside the reading
+    ([(12, 0), (60, 100)], [0], []),
 ])
-def test_prompts_wait_for_as_many_rows_that_waited_longer_than_their_reading_would_stall_them_and_end_within_that(
+def test_prompts_wait_for_a_row_in_its_last_steps_that_has_waited_their_reading_s_stall_longer_than_they_have(
         target, monkeypatch, rows, late, waits_for):
     """Priced at 0.1 s a prompt token and 0.5 s a step, a 100-token prompt would stall each running row's next token
-    10 s. rows: (token budget, seconds the row has waited). Rows older than 10 s with at most 20 steps left end
-    before the prompts are read, where there are as many of them as prompts waiting; otherwise the prompts are read
+    10 s. rows: (token budget, seconds it has waited); late: seconds each late prompt has waited. A row with at most
+    20 steps left that has waited 10 s longer than any late prompt ends before they are read; otherwise they are read
     at once, beside the rows. The answers are the solo ones."""
     engine = BatchEngine(target, None, max_batch=4)
     engine.chunks.read_s_per_token.value, engine.chunks.rows_part_s.value = 0.1, 0.5
@@ -80,8 +79,10 @@ def test_prompts_wait_for_as_many_rows_that_waited_longer_than_their_reading_wou
         seq.started -= age
     while any(not seq.result.token_ids for seq in running):
         engine.step()
-    prompts = [random_prompt(9 + i, 100 + i) for i in range(late)]
+    prompts = [random_prompt(9 + i, 100 + i) for i in range(len(late))]
     late_seqs = [engine.submit(prompt, max_new_tokens=4) for prompt in prompts]
+    for seq, age in zip(late_seqs, late):
+        seq.started -= age
     while not any(seq.result.token_ids for seq in late_seqs):
         engine.step()
     assert [i for i, seq in enumerate(running) if seq.finished] == waits_for

@@ -427,28 +427,26 @@ class BatchEngine:
         return reads
 
     def _an_ending_row_goes_first(self) -> bool:
-        """Whether the waiting prompts wait for running rows in their last steps: for rows that have waited at least as
-        long as reading the shortest waiting prompt beside them would stall them (S: its tokens to read at the
-        measured rate) and end, their token budget spent, within S at the rows' measured step time; when there are at
-        least as many of them as prompts waiting. Each waiting request then waits less than S, each such row is spared
-        a stall of S, and no row already that old is pushed past a newcomer's own wait: the slowest answers at 4
-        concurrent requests and 4 conversations were rows read early that decoded through a later arrival's reading
-        (scripts/level-sim.py replays it). With more prompts waiting than rows spared (a burst), reading goes on: the
-        waits would add up to more than the stalls spared. The wait is bounded: no row is admitted meanwhile, and every
-        running row ends within its budget."""
+        """Whether the waiting prompts wait for a running row in its last steps: one that ends, its token budget spent,
+        within S at the rows' measured step time (S: the time reading the shortest waiting prompt beside it would
+        stall it, its tokens to read at the measured rate) and has waited S longer than any waiting request has. No
+        waiting request then ends up waiting longer than the row it yields to, and that row is spared a stall of S:
+        the slowest answers at 4 concurrent requests and 4 conversations were rows read early that decoded through a
+        later arrival's reading (scripts/level-sim.py replays it). In a burst the waiting requests are as old as the
+        rows, so reading goes on. The wait is bounded: no row is admitted meanwhile, and every running row ends
+        within its budget."""
         per_token, rows_s = self.chunks.read_s_per_token.value, self.chunks.rows_part_s.value
         if per_token is None or rows_s is None or self.chunks.fixed is not None or len(self.rows) >= self.max_batch:
             return False
         with self._lock:
-            queued = len(self._pending)
             waiting = list(islice(self._pending, SHORTEST_AMONG))
         if not waiting:
             return False
         stall = per_token * min(self.backend.to_read(seq.prompt) for seq in waiting)
         now = time.perf_counter()
-        ending = sum(now - seq.started >= stall and (seq.max_new_tokens - seq.generated) * rows_s <= stall
-                     for seq in self.rows)
-        return ending >= queued
+        waited = now - waiting[0].started  # the queue's oldest
+        return any(now - seq.started >= waited + stall and (seq.max_new_tokens - seq.generated) * rows_s <= stall
+                   for seq in self.rows)
 
     def _prompt_tokens_waiting(self) -> int:
         """Prompt tokens of the queue and those being read, counted whole: a chat turn re-sending a cached history
