@@ -12,7 +12,7 @@ alone is worth at that level, apart from the machine's noise. Not part of CI.
 
 Rules for ours (an arrival not opened while rows run and none is being read; S = its reading time):
   ending-row-first  the engine's (batch.BatchEngine._an_ending_row_goes_first): while some row ends, at its token
-                    limit, within S and has waited S longer than any waiting request
+                    limit, within S and was sent S or more before any waiting request
   all-rows-end      session 37's, reverted: while every row ends within S
   none              read at once (sessions 18-39)
 
@@ -104,8 +104,8 @@ def simulate(chains: list[list[tuple[int, int, int]]], policy: str, concurrency:
         ends_in = {j: (max_new_tokens - (requests[j][2] - rows[j])) * step for j in rows}  # the engine knows no more
         if rule == "all-rows-end":
             return max(ends_in.values()) <= stall
-        waited = max(now - arrival[j] for j in waiting)
-        return any(ends_in[j] <= stall and now - arrival[j] >= waited + stall for j in rows)
+        first_sent = min(arrival[j] for j in waiting)
+        return any(ends_in[j] <= stall and first_sent - arrival[j] >= stall for j in rows)
 
     for _ in range(concurrency):
         send()

@@ -57,19 +57,20 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
 
 
 @pytest.mark.parametrize("rows, late, waits_for", [
-    ([(12, 100)], [0], [0]),  # ending within the stall, 100 s older than the prompt: it ends first
-    ([(12, 5)], [0], []),  # ending, but it has waited less than the stall: the prompt is read at once
-    ([(12, 100)], [95], []),  # ... or less than the stall longer than the prompt
-    ([(60, 100)], [0], []),  # old, but further from its end than the stall
+    ([(12, 100)], [0], [0]),  # ending within the stall, sent 100 s before the prompt: it ends first
+    ([(12, 5)], [0], []),  # ending, but sent less than the stall before: the prompt is read at once
+    ([(12, 100)], [95], []),
+    ([(60, 100)], [0], []),  # sent long before, but further from its end than the stall
     ([(12, 100), (60, 0)], [0, 0], [0]),  # one such row is enough; the other runs on beside the reading
     ([(12, 0), (60, 100)], [0], []),
+    ([(12, 100), (30, 100)], [0], [0, 1]),  # rows ending one after another: the prompt waits for both
 ])
-def test_prompts_wait_for_a_row_in_its_last_steps_that_has_waited_their_reading_s_stall_longer_than_they_have(
-        target, monkeypatch, rows, late, waits_for):
+def test_prompts_wait_for_a_row_in_its_last_steps_sent_their_reading_s_stall_before_them(target, monkeypatch, rows,
+                                                                                          late, waits_for):
     """Priced at 0.1 s a prompt token and 0.5 s a step, a 100-token prompt would stall each running row's next token
-    10 s. rows: (token budget, seconds it has waited); late: seconds each late prompt has waited. A row with at most
-    20 steps left that has waited 10 s longer than any late prompt ends before they are read; otherwise they are read
-    at once, beside the rows. The answers are the solo ones."""
+    10 s. rows: (token budget, seconds since it was sent); late: seconds since each late prompt was sent. A row with
+    at most 20 steps left, sent 10 s or more before every late prompt, ends before they are read; otherwise they are
+    read at once, beside the rows. The answers are the solo ones."""
     engine = BatchEngine(target, None, max_batch=4)
     engine.chunks.read_s_per_token.value, engine.chunks.rows_part_s.value = 0.1, 0.5
     monkeypatch.setattr(engine.chunks, "observe_read", lambda tokens, seconds: None)  # those prices stay
