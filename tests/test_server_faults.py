@@ -55,7 +55,6 @@ def test_a_long_prompt_is_read_a_chunk_a_step_while_a_row_runs(target):
     assert running.result.token_ids == reference_greedy(target, random_prompt(1, 5), 60)
 
 
-
 @pytest.mark.parametrize("rows, late, waits_for", [
     ([(12, 100)], [0], [0]),  # ending within the stall, sent 100 s before the prompt: it ends first
     ([(12, 5)], [0], []),  # ending, but sent less than the stall before: the prompt is read at once
@@ -93,6 +92,7 @@ def test_prompts_wait_for_a_row_in_its_last_steps_sent_their_reading_s_stall_bef
         assert seq.result.token_ids == reference_greedy(target, prompt, 4)
     for seed, seq in enumerate(running):
         assert seq.result.token_ids == reference_greedy(target, random_prompt(seed, 5), seq.max_new_tokens)
+
 
 def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target):
     """Three long prompts arrive together: the first is read whole and its token goes out in that step; the others
