@@ -17,7 +17,9 @@ what the drafter leaves on the table; the gap between oracle and a measured run 
 drafts from the earlier answers too); `--depth` sets the trees' depth (a match of m tokens continues at most depth - m);
 `--alternatives` the runner-ups the drafter's tree holds (the product's 2: its chain is cut from that tree; 0: a path);
 `--no-chains` turns off the drafter's long exact chains (llama-server's `ngram-mod` rule: a 24-token context chaining
-48-64 tokens, source `suffix/chain`); `--belief-ms` seeds the controller with another table than the one passes cost.
+48-64 tokens, source `suffix/chain`); `--belief-ms` seeds the controller with another table than the one passes cost;
+`--loss STAKE:SHARE` sets the controller's loss limit. Last, our controller on whole requests (the prompt read at what a
+position costs at the table's wide end, ~100 tokens a second on the EPYC curve): what a bench's per-prompt ratio sees.
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
         --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:63,4:0.1:63
@@ -33,7 +35,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from specdecode.control import AdaptiveK
+from specdecode.control import AdaptiveK, priors
 from specdecode.control.calibrate import WIDEST, observe_calibration_pass, too_wide, widths
 from specdecode.control.step import RowOutcome, StepOutcome, StepPlan
 from specdecode.drafters import suffix
@@ -125,7 +127,8 @@ def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cos
     the tokens come, from each whole draft in hindsight (one controller for every prompt, as one engine serves
     them)."""
     ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
-    seq = SimpleNamespace(serial=row, ids=torch.tensor([prompt]), finished=False, generated=0)
+    seq = SimpleNamespace(serial=row, ids=torch.tensor([prompt]), prompt=torch.tensor([prompt]), finished=False,
+                          generated=0, stats=SimpleNamespace(cached_prompt_tokens=0))
     t, ms = 0, 0.0
     while t < len(answer):
         seq.ids, seq.generated = torch.tensor([prompt + answer[:t]]), t
@@ -160,7 +163,11 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=suffix.MAX_TREE_DEPTH, help="the suffix trees' depth")
     parser.add_argument("--alternatives", type=int, default=2, help="runner-ups in the drafter's tree (the product's: 2)")
     parser.add_argument("--no-chains", action="store_true", help="the drafter without its long exact chains")
+    parser.add_argument("--loss", default=None, metavar="STAKE:SHARE",
+                        help="the controller's loss limit (priors.LOSS_STAKE, LOSS_SHARE) instead of the product's")
     args = parser.parse_args()
+    if args.loss:
+        priors.LOSS_STAKE, priors.LOSS_SHARE = map(float, args.loss.split(":"))
     suffix.MAX_TREE_DEPTH = args.depth
     results = json.load(open(args.results))
     rows = {r["prompt_id"]: r for r in results["rows"] if r["method"] == "plain"}
@@ -174,6 +181,9 @@ def main() -> None:
     totals = np.zeros((len(variants), 4))
     worst = [np.inf] * len(variants)
     plain_total = 0.0
+    # whole requests: the prompt read at what a position costs at the wide end of the table (as the controller prices it)
+    read_ms = (cost[64] - cost[32]) / 32
+    whole, worst_whole, plain_whole = np.zeros(len(variants)), [np.inf] * len(variants), 0.0
     belief = pass_table(args.belief_ms, len(cost) - 1) if args.belief_ms else cost
     controllers = [seeded_controller(belief, max(WIDEST, k + 1)) for *_, k in variants]
     fresh_chains = lambda: suffix.ContextChains(capacity=0 if args.no_chains else suffix.CHAIN_CONTEXTS)  # noqa: E731
@@ -183,6 +193,8 @@ def main() -> None:
         answer = json.loads(rows[prompt.id]["token_ids"]) if isinstance(rows[prompt.id]["token_ids"], str) else rows[prompt.id]["token_ids"]
         plain = cost[1] * len(answer)
         plain_total += plain
+        reading = read_ms * len(ids)
+        plain_whole += reading + plain
         cells = []
         for i, (factor, floor, k) in enumerate(variants):
             cache, chains = caches[i]
@@ -194,13 +206,17 @@ def main() -> None:
             ours = controller_ms(ids, answer, drafts, cost, controllers[i], row)
             totals[i] += (oracle, cut, full, ours)
             worst[i] = min(worst[i], plain / ours)
+            whole[i] += reading + ours
+            worst_whole[i] = min(worst_whole[i], (reading + plain) / (reading + ours))
             cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")
         print(f"{prompt.id:<18} {len(answer):>6} {plain / 1e3:>8.2f}" + "".join(f" {c:>23}" for c in cells))
     print(f"{'worst prompt':<18} {'':>6} {'':>8}" + "".join(f" {'':>20} {w:>5.2f}" for w in worst))
     print(f"{'all (time)':<18} {'':>6} {plain_total / 1e3:>8.2f}" + "".join(
         f" {plain_total / o:>6.2f} {plain_total / c:>5.2f} {plain_total / f:>5.2f} {plain_total / u:>5.2f}" for o, c, f, u in totals))
+    print(f"{'ours, whole requests (all / worst prompt)':<33}" + "".join(
+        f" {'':>13} {plain_whole / w:>5.2f} / {ww:>4.2f}" for w, ww in zip(whole, worst_whole)))
     print("columns: decode speedup over plain: oracle cut / cut at what is accepted / whole drafts / our controller "
-          "(prompt reading not included)")
+          f"(prompt reading not included); whole requests: the prompt read at {read_ms:.1f} ms a token")
 
 
 if __name__ == "__main__":
