@@ -9,10 +9,12 @@ from an earlier run's answers), prefix cache emptied.
 
 `--traffic agent` makes the burst agent requests (bench --traffic agent: one file of the edit prompts' code, then
 each edit); `--running N` starts N fresh requests first and sends the burst once they decode (a burst arriving beside
-running rows); the run then ends when the burst is answered.
+running rows); the run then ends when the burst is answered. `--long-first` sends the burst's longest prompt alone and
+the rest after the engine's first step, as a server often hands a burst over when a long prompt's request came first.
 
   .venv/bin/python scripts/burst.py [--vs apart|unpriced|chunk:N|reread|none] [--chunk N] [--requests 8] [--rounds 2]
                                     [--max-new-tokens 64] [--draft auto|none] [--traffic fresh|agent] [--running N]
+                                    [--long-first]
 
 Prints per run: wall, tok/s, TTFT p50 / max, when the last prompt was read, and per step what it read.
 """
@@ -43,6 +45,7 @@ parser.add_argument("--chunk", type=int, default=None, help="prompt tokens a ste
 parser.add_argument("--verbose", action="store_true", help="print every step that read a prompt")
 parser.add_argument("--traffic", choices=("fresh", "agent"), default="fresh")
 parser.add_argument("--running", type=int, default=0, help="fresh requests decoding when the burst arrives")
+parser.add_argument("--long-first", action="store_true", help="the longest prompt first, the rest after one step")
 args = parser.parse_args()
 
 draft = None if args.draft == "none" else args.draft
@@ -85,11 +88,15 @@ def run(variant: bool) -> dict:
     while model.rows < len(runners):
         engine.step()
     start = time.perf_counter()
-    seqs = [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in prompts]
+    longest = max(prompts, key=lambda p: p.shape[1]) if args.long_first else None
+    later = [p for p in prompts if p is not longest] if args.long_first else []
+    submit = lambda batch: [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in batch]  # noqa: E731
+    seqs = submit([longest] if args.long_first else prompts)
     first: dict[int, float] = {}
     read_until, read = 0.0, 0
-    while not all(seq.finished for seq in seqs):
+    while later or not all(seq.finished for seq in seqs):
         report = engine.step()
+        seqs, later = seqs + submit(later), []
         read += report.prefill_tokens
         now = time.perf_counter() - start
         for seq, _ in report.events:
@@ -107,7 +114,7 @@ def run(variant: bool) -> dict:
         engine.step()
     tokens = sum(len(s.result.token_ids) for s in seqs)
     ttft = sorted(first.get(id(seq), wall) for seq in seqs)
-    return dict(wall=wall, tps=tokens / wall, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1], read=read_until,
+    return dict(wall=wall, tps=tokens / wall, ttft=ttft, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1], read=read_until,
                 tokens_read=read, cached=sum(s.stats.cached_prompt_tokens for s in seqs),
                 drafted=sum(s.stats.drafted_tokens for s in seqs), accepted=sum(s.stats.accepted_tokens for s in seqs))
 
@@ -121,8 +128,8 @@ for r in range(args.rounds):
         print(f"round {r + 1} {names[variant]:>8}: wall {result['wall']:6.1f} s, "
               f"{result['tps']:5.2f} tok/s, TTFT p50 {result['ttft_p50']:5.1f} s max {result['ttft_max']:5.1f} s, "
               f"reading done at {result['read']:5.1f} s ({result['tokens_read']} tokens read, the burst's cached "
-              f"{result['cached']}), drafted {result['drafted']} accepted {result['accepted']}",
-              flush=True)
+              f"{result['cached']}), drafted {result['drafted']} accepted {result['accepted']}; TTFT s "
+              f"{' '.join(f'{t:.1f}' for t in result['ttft'])}", flush=True)
 for variant in (False,) if args.vs == "none" else (False, True):
     walls = [res["wall"] for v, res in rows if v == variant]
     print(f"{names[variant]}: wall median {statistics.median(walls):.1f} s "

@@ -16,7 +16,7 @@ import torch
 
 from replay import simulate_costs
 from serving import MODEL, RunningServer, error_of, free_port, post
-from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
+from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine, batch
 from specdecode.batch import BatchEngine
 from specdecode.cli import main
 from specdecode.encoding import encode_chat
@@ -113,6 +113,31 @@ def test_a_burst_on_an_idle_engine_gets_first_tokens_one_prompt_at_a_time(target
         engine.step()
     for seq, prompt in zip(burst, prompts):
         assert seq.result.token_ids == reference_greedy(target, prompt, 20)
+
+
+def test_a_long_first_prompt_on_an_idle_engine_lets_a_short_one_in_after_one_chunk(target, monkeypatch):
+    """An idle engine reads a prompt longer than MAX_PREFILL_CHUNK a chunk a step: a short prompt arriving after
+    the first chunk is read whole next and its first token goes out before the long one's, which is then read
+    beside its row (reading the long one whole first held the short one's first token for all of it)."""
+    monkeypatch.setattr(batch, "MAX_PREFILL_CHUNK", 32)
+    engine = BatchEngine(target, None, max_batch=4, prefill_chunk=16)
+    long_prompt, short_prompt = random_prompt(3, 100), random_prompt(4, 6)
+    long = engine.submit(long_prompt, max_new_tokens=8)
+    report = engine.step()
+    assert report.prefill_tokens == 32 and not long.result.token_ids
+    short = engine.submit(short_prompt, max_new_tokens=8)
+    report = engine.step()
+    assert report.prefill_tokens == 6 and short.result.token_ids and not long.result.token_ids
+    while not long.result.token_ids:
+        assert engine.step().prefill_tokens <= 16  # now beside the short one's row, a chunk a step
+    while engine.has_work:
+        engine.step()
+    assert long.result.token_ids == reference_greedy(target, long_prompt, 8)
+    assert short.result.token_ids == reference_greedy(target, short_prompt, 8)
+    alone = BatchEngine(target, None, max_batch=4)  # alone, read over ceil(100 / 32) steps to the same answer
+    seq = alone.submit(long_prompt, max_new_tokens=8)
+    reads = [alone.step().prefill_tokens for _ in range(4)]
+    assert reads == [32, 32, 32, 4] and seq.result.token_ids[0] == long.result.token_ids[0]
 
 
 def test_the_fewest_tokens_to_read_go_first_and_none_is_passed_over_more_than_a_batch(target):
