@@ -433,16 +433,14 @@ class BatchEngine:
         row is spared a stall of S for a wait of less than S, and rows that end one after another hold the newcomers
         together, as llama-server's lockstep does: the slowest answers at 4 concurrent requests and 4 conversations
         were rows read early that decoded through later arrivals' readings (scripts/level-sim.py replays it). A
-        burst's requests, sent together, never wait for each other (holding them cost level 8 ~3 % of its tok/s), and
-        nothing waits where the running rows and the queue fill the batch: every row is wanted there, and holding
-        cost 16 requests 8 at a time 4 % of their tok/s in all four rounds, the slowest answer no sooner (docs/results.md,
-        session 41). The wait is bounded: no row is admitted meanwhile, and every running row ends within its budget."""
+        burst's requests, sent together, never wait for each other (holding them cost level 8 ~3 % of its tok/s).
+        The wait is bounded: no row is admitted meanwhile, and every running row ends within its budget."""
         per_token, rows_s = self.chunks.read_s_per_token.value, self.chunks.rows_part_s.value
         if per_token is None or rows_s is None or self.chunks.fixed is not None or len(self.rows) >= self.max_batch:
             return False
         with self._lock:
-            waiting, queued = list(islice(self._pending, SHORTEST_AMONG)), len(self._pending)
-        if not waiting or len(self.rows) + queued >= self.max_batch:
+            waiting = list(islice(self._pending, SHORTEST_AMONG))
+        if not waiting:
             return False
         stall = per_token * min(self.backend.to_read(seq.prompt) for seq in waiting)
         first_sent = waiting[0].started  # the queue's oldest
