@@ -88,9 +88,12 @@ def run(variant: bool) -> dict:
     while model.rows < len(runners):
         engine.step()
     start = time.perf_counter()
+
+    def submit(batch: list) -> list:
+        return [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in batch]
+
     longest = max(prompts, key=lambda p: p.shape[1]) if args.long_first else None
     later = [p for p in prompts if p is not longest] if args.long_first else []
-    submit = lambda batch: [engine.submit(p, max_new_tokens=args.max_new_tokens, stop=stop) for p in batch]  # noqa: E731
     seqs = submit([longest] if args.long_first else prompts)
     first: dict[int, float] = {}
     read_until, read = 0.0, 0
@@ -114,8 +117,8 @@ def run(variant: bool) -> dict:
         engine.step()
     tokens = sum(len(s.result.token_ids) for s in seqs)
     ttft = sorted(first.get(id(seq), wall) for seq in seqs)
-    return dict(wall=wall, tps=tokens / wall, ttft=ttft, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1], read=read_until,
-                tokens_read=read, cached=sum(s.stats.cached_prompt_tokens for s in seqs),
+    return dict(wall=wall, tps=tokens / wall, ttft=ttft, ttft_p50=statistics.median(ttft), ttft_max=ttft[-1],
+                read=read_until, tokens_read=read, cached=sum(s.stats.cached_prompt_tokens for s in seqs),
                 drafted=sum(s.stats.drafted_tokens for s in seqs), accepted=sum(s.stats.accepted_tokens for s in seqs))
 
 

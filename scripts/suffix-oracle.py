@@ -181,7 +181,7 @@ def main() -> None:
     totals = np.zeros((len(variants), 4))
     worst = [np.inf] * len(variants)
     plain_total = 0.0
-    # whole requests: the prompt read at what a position costs at the wide end of the table (as the controller prices it)
+    # whole requests: the prompt read at what a position costs at the table's wide end (as the controller prices it)
     read_ms = (cost[64] - cost[32]) / 32
     whole, worst_whole, plain_whole = np.zeros(len(variants)), [np.inf] * len(variants), 0.0
     belief = pass_table(args.belief_ms, len(cost) - 1) if args.belief_ms else cost
