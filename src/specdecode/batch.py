@@ -420,7 +420,7 @@ class BatchEngine:
             if seq.cancelled:
                 self._drop_reading(i, report, "cancelled")
                 continue
-            take = min(budget, seq.prompt.shape[1] - seq.prompt_read)
+            take = min(budget, seq.prompt_left)
             reads.append(PromptRead(seq, reader, seq.prompt[:, seq.prompt_read : seq.prompt_read + take]))
             budget -= take
             i += 1
@@ -452,7 +452,7 @@ class BatchEngine:
         then reads 512 tokens a step, which measured better than rows-sized chunks (docs/results.md)."""
         with self._lock:
             queued = sum(seq.prompt.shape[1] for seq in self._pending)
-        return queued + sum(seq.prompt.shape[1] - seq.prompt_read for seq, _ in self._reading)
+        return queued + sum(seq.prompt_left for seq, _ in self._reading)
 
     def _read_first(self, report: StepReport) -> None:
         """With no rows: of the prompts being read and the next waiting one, the one with the fewest tokens left,
@@ -460,17 +460,18 @@ class BatchEngine:
         ends: a burst whose long prompt reached the engine first lets its short ones in after one chunk instead of
         after that whole reading (on 2 cores a 765-token first prompt held seven short ones' first tokens ~8 s).
         A prompt that fails to read fails alone."""
-        left = lambda pair: pair[0].prompt.shape[1] - pair[0].prompt_read  # noqa: E731
+        least_left = lambda: min(range(len(self._reading)), key=lambda j: self._reading[j][0].prompt_left)  # noqa: E731
         while self._reading or self._open_next(report):
-            best = min(self._reading, key=left)
-            if left(best) > MAX_PREFILL_CHUNK or best[0].prompt_read > best[0].stats.cached_prompt_tokens:
-                self._open_next(report)  # a long one is being read: the next waiting one may have less left
-            i = min(range(len(self._reading)), key=lambda j: left(self._reading[j]))  # the first of equals
+            i = least_left()  # the first of equals
+            seq = self._reading[i][0]
+            long = seq.prompt_left > MAX_PREFILL_CHUNK or seq.prompt_read > seq.stats.cached_prompt_tokens
+            if long and self._open_next(report):  # a long one is being read: the next waiting one may have less left
+                i = least_left()
             seq, reader = self._reading[i]
             if seq.cancelled:
                 self._drop_reading(i, report, "cancelled")
                 continue
-            take = min(left((seq, reader)), MAX_PREFILL_CHUNK)
+            take = min(seq.prompt_left, MAX_PREFILL_CHUNK)
             read = PromptRead(seq, reader, seq.prompt[:, seq.prompt_read : seq.prompt_read + take])
             self._finish_reads([read], self._read_alone([read]), report)
             if seq.exception is None:
@@ -496,7 +497,7 @@ class BatchEngine:
                 continue
             seq.prompt_read += read.tokens.shape[1]
             report.prefill_tokens += read.tokens.shape[1]
-            if seq.prompt_read == seq.prompt.shape[1]:
+            if not seq.prompt_left:
                 read.reader.join()
                 del self._reading[i]
                 self._join(seq, outcome, report)

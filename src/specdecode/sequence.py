@@ -159,6 +159,11 @@ class Sequence:
         return self.max_new_tokens - len(self.result.token_ids) - 1
 
     @property
+    def prompt_left(self) -> int:
+        """Prompt tokens the target has yet to read."""
+        return self.prompt.shape[1] - self.prompt_read
+
+    @property
     def generated(self) -> int:
         return len(self.result.token_ids) + len(self.new)
 
