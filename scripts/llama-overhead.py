@@ -7,6 +7,7 @@ earlier answers kept, as a server's is (with `--max-batch 8`, its engine). Not p
 
 Usage: .venv/bin/python scripts/llama-overhead.py [plain|auto|<draft spec>] [PAIRS] [--tokens N] [--prompt TEXT]
            [--against llama-cpp-python|plain] [--max-batch 1] [--prompts SET --per-task N]
+           [--temperature T --top-p P --top-k K --seed S]   (sampled decoding, the same settings for both)
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--prompts", default=None, help="a prompt set (e.g. specbench): a fresh prompt every pair")
     ap.add_argument("--per-task", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_batch > 1 and not args.prompts and args.method != "plain":
         # rows of a batch engine draft with spawned drafters: forgetting on the engine's own would leave each run's
         # answer in the shared suffix cache, and the next run of the same prompt would copy it
@@ -79,7 +85,7 @@ def main() -> None:
         if engine.drafter is not None and not args.prompts:
             engine.drafter.forget_last_request()  # no drafting from the previous run's answer to the same prompt
         engine.backend.drop_cached_prefixes()  # both read the whole prompt
-        seq = engine.submit(ids, max_new_tokens=args.tokens)
+        seq = engine.submit(ids, max_new_tokens=args.tokens, sampling=sampling)
         while engine.has_work:
             engine.step()
         return len(seq.result.token_ids)
@@ -94,7 +100,7 @@ def main() -> None:
                                 args.threads, 2048)
 
         def baseline(ids) -> int:
-            return len(theirs.run(ids, args.tokens, SamplingParams()).token_ids)
+            return len(theirs.run(ids, args.tokens, sampling).token_ids)
 
     runs = collections.defaultdict(list)
     for pair in range(args.pairs + 1):  # pair 0 warms both up

@@ -8,7 +8,7 @@ import specdecode.sampling as sampling_module
 from specdecode import ModelDrafter, SamplingParams, SpeculativeEngine
 from specdecode.batch import BatchEngine
 from specdecode.sampling import logits_to_probs
-from specdecode.verify import argmax, greedy_verdicts, speculative_accept
+from specdecode.verify import argmax, greedy_verdicts, gumbel_max, speculative_accept
 from stats_check import fit
 from tiny import random_prompt, tiny_model
 
@@ -60,7 +60,9 @@ def test_nucleus_from_ranked_candidates_equals_a_full_sort(monkeypatch, sharpnes
     monkeypatch.setattr(sampling_module, "NUCLEUS_CANDIDATES", (4, 16))
     logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(int(sharpness * 10))) * sharpness
     expected = full_sort_nucleus_mask(logits, top_p)
-    assert torch.equal(sampling_module.outside_nucleus(logits, top_p), expected)
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(probs == 0, expected)
+    assert torch.allclose(probs.sum(-1), torch.ones(6))
     kept = (~expected).sum(-1)
     assert ((kept >= 1) & (kept <= 500)).all()
 
@@ -85,9 +87,13 @@ def test_temperature_sharpens():
 # ----------------------------------------------------------------------------- the acceptance rule alone
 
 
-def wrong_rule_resample_from_p(draft_tokens, draft_probs, target_probs, generator=None, draft_lens=None):
+def wrong_rule_resample_from_p(draft_tokens, draft_probs, target_probs, generator=None, draft_lens=None,
+                               target_ids=None):
     """A classic bug: on rejection, sample from p instead of the residual max(0, p - q)."""
     B, k = draft_tokens.shape
+    if target_ids is not None:  # p given over the tokens it keeps: spread over the vocabulary
+        vocab = 1 + max(int(target_ids.max()), int(draft_tokens.max()) if draft_tokens.numel() else 0)
+        target_probs = torch.zeros(*target_probs.shape[:-1], vocab).scatter(-1, target_ids, target_probs)
     p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)
     q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     u = torch.rand(B, k, generator=generator)
@@ -242,11 +248,12 @@ def test_distribution_check_fails_for_a_wrong_acceptance_rule(small_vocab_pair, 
 # ----------------------------------------------------------------------------- seeded requests (position-keyed draws)
 
 
-def wrong_keyed_rule_accept_every_draft(draft_tokens, target_probs, noise):
+def wrong_keyed_rule_accept_every_draft(draft_tokens, target_probs, noise, target_ids=None):
     """Wrong: keeps the whole draft, so drafted tokens follow q instead of p."""
     k = draft_tokens.shape[1]
     accepted_len = torch.full((draft_tokens.shape[0],), k)
-    return accepted_len, (target_probs[:, k].log() + noise[k]).argmax(-1)
+    ids = None if target_ids is None else target_ids[:, k]
+    return accepted_len, gumbel_max(target_probs[:, k], noise[k], ids)
 
 
 def test_seeded_distribution_check_fails_for_a_wrong_keyed_rule(small_vocab_pair, monkeypatch):

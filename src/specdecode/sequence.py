@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .drafters.base import Draft, Drafter
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams, kept_distribution, logits_to_probs
 from .stats import GenerationStats
 from .stopping import StopCondition
 from .verify import argmax, greedy_accept
@@ -176,7 +176,7 @@ class Sequence:
         """The target's own token at `position` from its logits [1, V]: the argmax, or the request's draw."""
         if self.sampling.greedy:
             return argmax(logits)
-        return self.draws.sample(logits_to_probs(logits, self.sampling), position)
+        return self.draws.sample(kept_distribution(logits, self.sampling), position)
 
     def _logprobs(self, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
         """The target's log-probabilities of `tokens` from their logits [n, V] (nothing when not asked for)."""
@@ -205,8 +205,8 @@ class Sequence:
         if self.sampling.greedy:
             accepted_len, next_token = greedy_accept(draft.tokens, logits)
         else:
-            target_probs = logits_to_probs(logits, self.sampling)
-            accepted_len, next_token = self.draws.accept(draft.tokens, draft.probs, target_probs, self.ids.shape[1])
+            target = kept_distribution(logits, self.sampling)
+            accepted_len, next_token = self.draws.accept(draft.tokens, draft.probs, target, self.ids.shape[1])
         return self.commit(draft, int(accepted_len[0]), int(next_token[0]), logits, leaf_logits)
 
     def _append(self, tokens: list[int]) -> None:

@@ -3,7 +3,8 @@
 Each returns `(accepted_len [B], next_token [B])`: row b keeps draft_tokens[b, :accepted_len[b]] and
 then next_token[b], the target's own token (the correction at the first rejection, or the bonus
 token when the whole draft was accepted). Rows may carry drafts of different lengths (`draft_lens`);
-positions past a row's length count as rejected.
+positions past a row's length count as rejected. A target distribution may be given over the tokens it keeps
+(`target_ids`: the token id of each column, as `sampling.Kept` holds them; None: column i is token i).
 """
 
 from __future__ import annotations
@@ -73,31 +74,44 @@ def greedy_accept(
     draft_lens: torch.Tensor | None = None,  # [B]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept while the draft equals the target's argmax; the output is the target's greedy output."""
+    return _accept_equal(draft_tokens, argmax(target_logits), draft_lens)
+
+
+def _accept_equal(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
+                  draft_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's prefix that equals the target's own tokens [B, k+1], and the target's token after it."""
     k = draft_tokens.shape[1]
-    target_tokens = argmax(target_logits)  # [B, k+1]
     accept = (draft_tokens == target_tokens[:, :k]) & _valid_mask(draft_tokens, draft_lens)
     accepted_len = _prefix_len(accept)
     next_token = target_tokens.gather(1, accepted_len[:, None]).squeeze(1)
     return accepted_len, next_token
 
 
+def _probs_of(probs: torch.Tensor, ids: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """probs [..., C] over the tokens `ids` [..., C] (None: all, in order) -> the probability of tokens [...]."""
+    if ids is None:
+        return probs.gather(-1, tokens[..., None]).squeeze(-1)
+    return (probs * (ids == tokens[..., None])).sum(-1)
+
+
 def speculative_accept(
     draft_tokens: torch.Tensor,  # [B, k]
     draft_probs: torch.Tensor | None,  # [B, k, V] processed q; None = deterministic draft (q one-hot)
-    target_probs: torch.Tensor,  # [B, k+1, V] processed p
+    target_probs: torch.Tensor,  # [B, k+1, C] processed p (C = V, or over target_ids)
     generator: torch.Generator | None = None,
     draft_lens: torch.Tensor | None = None,  # [B]
+    target_ids: torch.Tensor | None = None,  # [B, k+1, C] the token of each column of target_probs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
     Accept draft token x with probability min(1, p(x)/q(x)); at the first rejection sample from
     normalize(max(0, p - q)); after a fully accepted draft sample the bonus token from p. The
-    emitted tokens are then distributed exactly as if sampled from p one at a time.
+    emitted tokens are then distributed exactly as if sampled from p one at a time. max(0, p - q) is 0 wherever p
+    is, so p given over the tokens it keeps gives the residual whole.
     """
     B, k = draft_tokens.shape
-    V = target_probs.shape[-1]
     rows = torch.arange(B, device=draft_tokens.device)
-    p_x = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
+    p_x = _probs_of(target_probs[:, :k], None if target_ids is None else target_ids[:, :k], draft_tokens)  # [B, k]
     if draft_probs is None:
         q_x = torch.ones_like(p_x)
     else:
@@ -108,20 +122,23 @@ def speculative_accept(
 
     lens = draft_lens if draft_lens is not None else torch.full_like(accepted_len, k)
     rejected = accepted_len < lens  # [B]
-    p_at = target_probs[rows, accepted_len]  # [B, V]
-    q_at = torch.zeros_like(p_at)
+    p_at = target_probs[rows, accepted_len]  # [B, C] (a copy)
+    ids_at = None if target_ids is None else target_ids[rows, accepted_len]
+    residual = p_at
     if rejected.any():
-        pos = accepted_len.clamp(max=k - 1)
-        if draft_probs is None:
-            q_rej = torch.nn.functional.one_hot(draft_tokens[rows, pos], V).to(p_at.dtype)
+        x = draft_tokens[rows, accepted_len.clamp(max=k - 1)]  # the rejected token of each rejected row
+        if draft_probs is None:  # q one-hot: p without x (unnormalised: sample_tokens scales)
+            at_x = torch.nn.functional.one_hot(x, p_at.shape[-1]).bool() if ids_at is None else ids_at == x[:, None]
+            residual = p_at.masked_fill(at_x & rejected[:, None], 0.0)
         else:
-            q_rej = draft_probs[rows, pos]
-        q_at = torch.where(rejected[:, None], q_rej, q_at)
-    residual = (p_at - q_at).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    # mass is 0 only when p == q up to rounding, where the rejection itself was a rounding event.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_at)
-    next_token = sample_tokens(residual, generator)
+            q_at = draft_probs[rows, accepted_len.clamp(max=k - 1)]
+            q_at = q_at if ids_at is None else q_at.gather(-1, ids_at)
+            residual = torch.where(rejected[:, None], (p_at - q_at).clamp(min=0), p_at)
+        empty = residual.sum(-1) <= 0
+        if empty.any():  # p == q up to rounding, where the rejection itself was a rounding event
+            residual = torch.where(empty[:, None], p_at, residual)
+    index = sample_tokens(residual, generator)
+    next_token = index if ids_at is None else ids_at.gather(-1, index[:, None]).squeeze(-1)
     return accepted_len, next_token
 
 
@@ -136,9 +153,18 @@ def sample_tokens(probs: torch.Tensor, generator: torch.Generator | None = None)
 
 def keyed_accept(
     draft_tokens: torch.Tensor,  # [B, k]
-    target_probs: torch.Tensor,  # [B, k+1, V] processed p
+    target_probs: torch.Tensor,  # [B, k+1, C] processed p (C = V, or over target_ids)
     noise: torch.Tensor,  # [k+1, V] Gumbel noise of those positions
+    target_ids: torch.Tensor | None = None,  # [B, k+1, C] the token of each column of target_probs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy acceptance over the Gumbel-perturbed log-probabilities log p + g: the target's token at each position
     is its Gumbel-max sample, and the draft's prefix that equals those is kept."""
-    return greedy_accept(draft_tokens, target_probs.log() + noise)
+    return _accept_equal(draft_tokens, gumbel_max(target_probs, noise, target_ids))
+
+
+def gumbel_max(probs: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """argmax(log p + g) as token ids: probs [..., C] over `ids` [..., C] (None: the vocabulary), noise [..., V]."""
+    if ids is None:
+        return argmax(probs.log() + noise)
+    chosen = argmax(probs.log() + noise.expand(*ids.shape[:-1], -1).gather(-1, ids))
+    return ids.gather(-1, chosen[..., None]).squeeze(-1)

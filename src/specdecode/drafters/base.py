@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import SamplingParams, kept_distribution
 from ..verify import argmax
 
 
@@ -81,8 +81,8 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, draws, position: int) -
     lossless rule) by the request's draws (sampling.StreamDraws / KeyedDraws)."""
     if sampling.greedy:
         return argmax(logits), torch.softmax(logits, -1)
-    q = logits_to_probs(logits, sampling)
-    return draws.sample(q, position), q
+    q = kept_distribution(logits, sampling)
+    return draws.sample(q, position), q.dense()
 
 
 def draft_chain(step: Callable[[torch.Tensor], torch.Tensor], pending: torch.Tensor, k: int, sampling: SamplingParams,
