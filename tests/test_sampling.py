@@ -264,15 +264,19 @@ def test_seeded_distribution_check_fails_for_a_wrong_keyed_rule(small_vocab_pair
     assert_lossless(check_results(generated, target, prompt, SEEDED[1]), lossless=False)
 
 
-def test_a_seed_gives_the_same_text_whether_steps_draft_or_not(small_vocab_pair):
-    """Drafting off, fixed drafts of 1, 3 and 6 tokens, adaptive, a model draft or lookups: one seed, one text."""
+@pytest.mark.parametrize("top_p", [1.0, 0.8], ids=["whole-vocabulary", "nucleus"])
+def test_a_seed_gives_the_same_text_whether_steps_draft_or_not(small_vocab_pair, monkeypatch, top_p):
+    """Drafting off, fixed drafts of 1, 3 and 6 tokens, adaptive, a model draft or lookups: one seed, one text. With
+    top-p a step's positions are ranked among as many candidates as its flattest one needs (2, 4, 8 or all 16
+    here), so one position is ranked among different numbers of tokens in steps of different widths."""
     from specdecode import NgramDrafter
     from specdecode.batch import BatchEngine
 
+    monkeypatch.setattr(sampling_module, "NUCLEUS_CANDIDATES", (2, 4, 8))
     target, draft = small_vocab_pair
     prompt = random_prompt(7, 9, vocab=VOCAB)
     for seed in (0, 1, 2**40 + 3):
-        sampling = SamplingParams(temperature=1.0, seed=seed)
+        sampling = SamplingParams(temperature=1.0, top_p=top_p, seed=seed)
         plain = SpeculativeEngine(target, None).generate(prompt, max_new_tokens=24, sampling=sampling).result()
         runs = [SpeculativeEngine(target, ModelDrafter(draft), k=k, adaptive=False) for k in (1, 3, 6)]
         runs += [SpeculativeEngine(target, ModelDrafter(draft), k=4, adaptive=True),
