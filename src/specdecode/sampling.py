@@ -67,7 +67,8 @@ class Kept:
         """[..., V] probabilities, 0 outside the kept tokens."""
         if self.ids is None:
             return self.probs
-        return torch.zeros(*self.probs.shape[:-1], self.vocab).scatter_(-1, self.ids, self.probs)
+        zeros = self.probs.new_zeros(*self.probs.shape[:-1], self.vocab)  # on the device the logits were
+        return zeros.scatter_(-1, self.ids, self.probs)
 
 
 def kept_distribution(logits: torch.Tensor, params: SamplingParams) -> Kept:
