@@ -689,6 +689,27 @@ def test_a_pass_measured_dearer_than_a_wider_one_runs_padded():
     assert ctl.pass_width(58) == 58
 
 
+def test_a_padded_width_is_timed_again_now_and_then():
+    """A plain pass priced in a busy minute above a 2-wide one is padded; every PAD_RECHECK-th time it runs at its own
+    width, so once the machine is quiet again plain passes run unpadded within a few rechecks (padded for good before:
+    every step ran 2-wide)."""
+    ctl = AdaptiveK()
+    true_ms = {1: 36, 2: 59, 4: 90, 8: 209}
+    for width, ms in true_ms.items():
+        ctl.observe_pass(width, 1, ms / 1e3)
+    ctl.pads = True
+    for _ in range(12):  # a busy stretch: plain passes at 75 ms
+        ctl.observe_pass(1, 1, 0.075)
+    for _ in range(12):  # then 2-wide passes at their usual price (one-token drafts), plain ones not run
+        ctl.observe_pass(2, 1, 0.059)
+    widths = []
+    for _ in range(8 * priors.PAD_RECHECK):  # plain steps on a quiet machine, each timed at its width's price
+        widths.append(ctl.pass_width(1))
+        ctl.observe_pass(widths[-1], 1, true_ms[widths[-1]] / 1e3)
+    assert widths[0] == 2 and widths.count(1) > 0
+    assert widths[-priors.PAD_RECHECK:] == [1] * priors.PAD_RECHECK
+
+
 def test_a_refined_source_starts_where_its_parent_stands():
     """A chain draft (source "suffix/chain") is first priced by what this engine learned of its parent's long matches,
     not by a prior: where long copies broke early it is cut short; where its parent never drafted, the prior decides."""

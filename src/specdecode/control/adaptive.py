@@ -83,6 +83,7 @@ class AdaptiveK:
         self.rows = 1  # rows in the step being planned (a row's share of the pass)
         self.reading = 0  # prompt tokens the planned step's pass reads beside the rows (plan_step)
         self.pads = False  # the backend runs a one-row pass wider where that measures cheaper (Backend.pads_passes)
+        self._padded = 0  # passes pass_width padded (every PAD_RECHECK-th runs unpadded instead)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
         self.saved: dict[int, float] = {}  # by row serial: plain passes its steps saved so far (negative: lost)
         self._can_pay: tuple[tuple, float, bool] | None = None  # model_can_pay's last answer: (key, draft / plain, answer)
@@ -393,8 +394,14 @@ class AdaptiveK:
             self.saved[serial] = self.saved.get(serial, 0.0) + row.accepted - added
 
     def pass_width(self, positions: int) -> int:
-        """The width to run this step's pass of `positions` at (one row alone, where the backend pads)."""
-        return self._pass(positions)[0]
+        """The width to run this step's pass of `positions` at (one row alone, where the backend pads): padded where
+        that measures cheaper, except every PAD_RECHECK-th time, when it runs at its own width to be timed again."""
+        width = self._pass(positions)[0]
+        if width != positions:
+            self._padded += 1
+            if self._padded % priors.PAD_RECHECK == 0:
+                return positions
+        return width
 
     def _pass(self, positions: int) -> tuple[int, float | None]:
         """(width, seconds) of this step's pass of `positions` per row: padded where that measures cheaper."""
