@@ -49,10 +49,8 @@ PROBE_EVERY = 8  # plain steps before the first probe
 MAX_PROBE_INTERVAL = 128  # at most this many: a probe then costs < 1 % even where a draft token costs two passes
 START_DRAFT = 1  # a fresh controller's first draft is short: where each position costs, 8 tokens + leaves took 8 s (AVX2)
 REGIME_CHANGE = 0.5  # a draft token this much cheaper than its average says the machine's load changed: probe soon
-# A one-row pass run padded (a wider width measured cheaper) is run at its own width every this many times: priced in a
-# busy minute (another process on the cores), a plain pass measured dearer than a 2-wide one was padded from then on
-# and never timed again; a server then ran every step 2-wide, drafting one lookup token "for free" (ITL 56 ms against
-# 36, for 12 minutes, AMD EPYC)
+# A one-row pass run padded (a wider width measured cheaper) runs at its own width every this many times: else a plain
+# pass priced in a busy minute above a 2-wide one is padded for good, never timed again (docs/results.md, session 42)
 PAD_RECHECK = 16
 
 # What a model draft could reach at best: where even this acceptance cannot beat plain decoding on the measured
