@@ -163,7 +163,9 @@ def keyed_accept(
 
 
 def gumbel_max(probs: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """argmax(log p + g) as token ids: probs [..., C] over `ids` [..., C] (None: the vocabulary), noise [..., V]."""
+    """argmax(log p + g) as token ids: probs [..., C] over `ids` [..., C] (None: the vocabulary), noise [..., V]
+    (made on the CPU: moved to where p is, a draft model's on a GPU)."""
+    noise = noise.to(probs.device)
     if ids is None:
         return argmax(probs.log() + noise)
     chosen = argmax(probs.log() + noise.expand(*ids.shape[:-1], -1).gather(-1, ids))
