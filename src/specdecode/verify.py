@@ -126,12 +126,13 @@ def speculative_accept(
     ids_at = None if target_ids is None else target_ids[rows, accepted_len]
     residual = p_at
     if rejected.any():
-        x = draft_tokens[rows, accepted_len.clamp(max=k - 1)]  # the rejected token of each rejected row
+        at = accepted_len.clamp(max=k - 1)  # the first rejected position of each rejected row
+        x = draft_tokens[rows, at]
         if draft_probs is None:  # q one-hot: p without x (unnormalised: sample_tokens scales)
             at_x = torch.nn.functional.one_hot(x, p_at.shape[-1]).bool() if ids_at is None else ids_at == x[:, None]
             residual = p_at.masked_fill(at_x & rejected[:, None], 0.0)
         else:
-            q_at = draft_probs[rows, accepted_len.clamp(max=k - 1)]
+            q_at = draft_probs[rows, at]
             q_at = q_at if ids_at is None else q_at.gather(-1, ids_at)
             residual = torch.where(rejected[:, None], (p_at - q_at).clamp(min=0), p_at)
         empty = residual.sum(-1) <= 0
