@@ -278,8 +278,9 @@ def test_calibration_prices_wide_passes_as_they_run_not_as_the_first_one_did(tar
 @pytest.mark.parametrize("curve", ["sublinear", "linear"])
 def test_one_slow_narrow_pass_does_not_stop_the_timing_of_wider_ones(target, monkeypatch, curve):
     """Widths past which a pass costs its width in plain passes are not timed (nothing wider could pay); that must be
-    decided on the faster of two timings. Here the first 2-wide pass hiccups (3x its price): on a curve where wide
-    passes are cheap every width is still timed, at its own price; on a linear curve the timing stops past 8."""
+    decided on the faster of two timings, and the controller prices that one. Here the first 2-wide pass hiccups (3x its
+    price): on a curve where wide passes are cheap every width is still timed, at its own price; on a linear curve the
+    timing stops past 8."""
     import importlib
 
     from specdecode.backends import as_backend
@@ -300,7 +301,9 @@ def test_one_slow_narrow_pass_does_not_stop_the_timing_of_wider_ones(target, mon
 
     monkeypatch.setattr(backend, "forward", timed_forward)
     monkeypatch.setattr(calibrate_module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
-    measured = calibrate_module.calibrate(AdaptiveK(max_k=8), backend, widest=64)["verify_s"]
+    controller = AdaptiveK(max_k=8)
+    measured = calibrate_module.calibrate(controller, backend, widest=64)["verify_s"]
+    assert controller.costs.verify_time(2) == pytest.approx(cost(2))  # the controller prices the faster timing too
     if curve == "sublinear":
         assert measured == pytest.approx({w: cost(w) for w in widths(64)})
     else:

@@ -710,6 +710,54 @@ def test_a_padded_width_is_timed_again_now_and_then():
     assert widths[-priors.PAD_RECHECK:] == [1] * priors.PAD_RECHECK
 
 
+def test_one_descheduled_pass_does_not_price_the_passes_after_it():
+    """A plain pass that took seconds (its threads descheduled under a CPU hog: ~13 s for a 33 ms pass) moves its price
+    by at most TIMING_JUMP x one sample. Before, its average (2.6 s) made the next width measured (a 7-wide draft at
+    its usual 160 ms) look 0.06 plain passes, so every plain pass ran padded 7-wide (AMD EPYC: ITL 60-100 against 32 ms
+    after the machine was quiet), the plain price coming back only 1 in PAD_RECHECK passes. A real slowdown is still
+    followed."""
+    ctl = AdaptiveK()
+    true_ms = {1: 36, 2: 59, 4: 90, 7: 160, 8: 209}
+    for width, ms in true_ms.items():
+        if width != 7:
+            ctl.observe_pass(width, 1, ms / 1e3)
+    ctl.pads = True
+    ctl.observe_pass(1, 1, 13.0)
+    ctl.observe_pass(7, 1, 0.160)
+    assert ctl.costs.verify_time(1) <= 0.036 * (1 + priors.EMA_ALPHA * (priors.TIMING_JUMP - 1)) + 1e-9
+    widths = []
+    for _ in range(2 * priors.PAD_RECHECK):
+        widths.append(ctl.pass_width(1))
+        ctl.observe_pass(widths[-1], 1, true_ms[widths[-1]] / 1e3)
+    assert widths == [1] * len(widths)
+    for _ in range(8):  # the machine really slows down: plain passes at 3x
+        ctl.observe_pass(1, 1, 0.108)
+    assert ctl.costs.verify_time(1) > 0.09
+
+
+def test_a_width_priced_dear_in_a_busy_minute_comes_back_to_its_price_at_load():
+    """Wide passes timed in a busy minute can stay priced far above their cost after it (2-wide at 4x, AMD EPYC under
+    a CPU hog), and a width priced too dear is never drafted, so never timed again. Its excess over what it cost at load
+    (in plain passes) halves every STALE_HALF_LIFE passes it is not run; one measured again prices it as measured."""
+    ctl = AdaptiveK()
+    true_ms = {1: 36, 2: 59, 4: 90, 8: 209}
+    for width, ms in true_ms.items():
+        ctl.observe_pass(width, 1, ms / 1e3)
+    for _ in range(12):  # a busy minute: plain passes at 100 ms, 2-wide ones at 400
+        ctl.observe_pass(1, 1, 0.100)
+    for _ in range(6):
+        ctl.observe_pass(2, 1, 0.400)
+    for _ in range(16):  # quiet again: plain passes only (nothing drafts at such a price)
+        ctl.observe_pass(1, 1, 0.036)
+    assert ctl.costs.verify_time(2) > 1.5 * 0.059
+    for _ in range(5 * priors.STALE_HALF_LIFE):
+        ctl.observe_pass(1, 1, 0.036)
+    assert ctl.costs.verify_time(2) == pytest.approx(0.059, rel=0.05)
+    assert ctl.costs.verify_time(4) == pytest.approx(0.090, rel=0.05)  # never dear: unmoved
+    ctl.observe_pass(2, 1, 0.070)  # timed again: its own price from there
+    assert 0.059 < ctl.costs.verify_time(2) < 0.070
+
+
 def test_a_refined_source_starts_where_its_parent_stands():
     """A chain draft (source "suffix/chain") is first priced by what this engine learned of its parent's long matches,
     not by a prior: where long copies broke early it is cut short; where its parent never drafted, the prior decides."""

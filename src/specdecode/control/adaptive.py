@@ -140,9 +140,10 @@ class AdaptiveK:
         t_plain, t_draft = costs.verify_time(1), costs.draft_time()
         if t_plain is None or not t_draft:
             return True  # not measured yet: nothing says it cannot
-        # Wide passes are priced in plain passes, so the answer moves only with a wide pass measured, the draft's cost
-        # or the draft against a plain pass by more than 1 %: asked at every step on fresh text, it is kept till then.
-        key, ratio = (max_len, costs.wide_passes_seen, t_draft), t_draft / t_plain
+        # Wide passes are priced in plain passes, so the answer moves only with those prices (`prices_moved`), the
+        # draft's cost or the draft against a plain pass by more than 1 %: asked at every step on fresh text, it is kept
+        # till then.
+        key, ratio = (max_len, costs.prices_moved, t_draft), t_draft / t_plain
         if self._can_pay is not None and self._can_pay[0] == key and abs(ratio / self._can_pay[1] - 1) <= 0.01:
             return self._can_pay[2]
         best = self._best_case_rate(t_plain, max_len, priors.BEST_ACCEPT) * t_plain

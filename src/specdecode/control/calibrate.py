@@ -63,19 +63,21 @@ def calibrate(controller: AdaptiveK, backend, drafter=None, widest: int = WIDEST
         backend.forward(prompt[:, :widest], [widest])
         backend.keep([[0]])
         passes = measured["verify_s"]
-        # The narrow widths twice, the faster counting, before any wider one: a hiccup must not make a width look
-        # dear, nor stop the timing of the wider ones (one slow 2-wide sample left a server's table at width 8, and
-        # its long copies undrafted: code edits 23.1 against 29.4 tok/s, AMD EPYC)
+        # The narrow widths twice, the faster counting (in the table and in the controller's prices), before any
+        # wider one: a hiccup must not make a width look dear, nor stop the timing of the wider ones (one slow 2-wide
+        # sample left a server's table at width 8, and its long copies undrafted: code edits 23.1 against 29.4 tok/s,
+        # AMD EPYC)
         narrow = [w for w in widths(widest) if w <= TIMED_TWICE]
-        for width in narrow + narrow + [w for w in widths(widest) if w > TIMED_TWICE]:
+        for i, width in enumerate(narrow + narrow + [w for w in widths(widest) if w > TIMED_TWICE]):
             if width > TIMED_TWICE and too_wide(passes, width):
                 break
             t0 = time.perf_counter()
             argmax(backend.forward(prompt[:, :width], [width])).tolist()  # as greedy judging reads a pass
             seconds = time.perf_counter() - t0
             backend.keep([[0]])
-            observe_calibration_pass(controller, width, seconds)
             passes[width] = min(seconds, passes.get(width, seconds))
+            if i >= len(narrow):  # the width's last timing
+                observe_calibration_pass(controller, width, passes[width])
     finally:
         backend.remove_rows([backend.rows - 1])
         backend.drop_cached_prefixes()  # the scratch row is no prompt anyone will send (it is read at load)

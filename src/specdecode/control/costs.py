@@ -9,11 +9,24 @@ from . import priors
 
 
 class Ema:
-    def __init__(self, alpha: float, value: float | None = None):
-        self.alpha, self.value = alpha, value
+    """An exponential moving average. `jump`: a sample above jump x the average counts as jump x it (timings: one
+    pass descheduled for seconds must not price every later pass, while a real slowdown is still followed within a
+    few samples)."""
+
+    def __init__(self, alpha: float, value: float | None = None, jump: float | None = None):
+        self.alpha, self.value, self.jump = alpha, value, jump
 
     def update(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+        if self.value is None:
+            self.value = x
+            return
+        if self.jump is not None and self.value > 0:
+            x = min(x, self.jump * self.value)
+        self.value = (1 - self.alpha) * self.value + self.alpha * x
+
+
+def _timing(alpha: float = priors.EMA_ALPHA) -> Ema:
+    return Ema(alpha, jump=priors.TIMING_JUMP)
 
 
 class ConfidenceCalibrator:
@@ -53,12 +66,18 @@ class CostModel:
     draft_token_s: dict[str, Ema] = field(default_factory=dict)
     verify_s: dict[int, Ema] = field(default_factory=dict)  # one row's pass by width
     batch_s: dict[tuple[int, int], Ema] = field(default_factory=dict)  # a batch's pass by (rows, positions)
-    draft_prefill_token_s: Ema = field(default_factory=lambda: Ema(priors.EMA_ALPHA))  # a drafter reading, per token
+    draft_prefill_token_s: Ema = field(default_factory=_timing)  # a drafter reading, per token
     # The plain pass of as many rows when each wide pass was last measured. A width not run since is priced at what it
     # cost then in plain passes, times a plain pass now: calibration reads one minute of a noisy machine, and a width
     # never drafted would keep that minute's price for the server's life.
     _plain_then: dict[tuple[int, int], float] = field(default_factory=dict)
-    _curve_now: dict[int, float] | None = None  # one row's curve priced now, until a one-row pass is observed
+    # A wide pass priced above what it cost in plain passes when first measured (one row's widths: at load) relaxes
+    # toward that, halving the excess every STALE_HALF_LIFE passes it is not run: a busy minute priced 2-wide passes 4x
+    # their cost, and a width priced too dear is never drafted, so never timed again (docs/results.md, session 43).
+    _first: dict[tuple[int, int], float] = field(default_factory=dict)
+    _seen_at: dict[tuple[int, int], int] = field(default_factory=dict)  # `passes_seen` when each was last measured
+    _curve_now: dict[int, float] | None = None  # one row's curve priced now, until the next pass is observed
+    passes_seen: int = 0
     wide_passes_seen: int = 0  # passes of more than one position observed (what prices in plain passes move with)
 
     def observe_draft_prefill(self, tokens: int, seconds: float) -> None:
@@ -67,33 +86,48 @@ class CostModel:
 
     def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
         if tokens:
-            self.draft_token_s.setdefault(source, Ema(self.alpha)).update(seconds / tokens)
+            self.draft_token_s.setdefault(source, _timing(self.alpha)).update(seconds / tokens)
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         table, key = (self.verify_s, positions) if rows == 1 else (self.batch_s, (rows, positions))
-        e = table.setdefault(key, Ema(self.alpha))
+        e = table.setdefault(key, _timing(self.alpha))
         if positions > 1 and e.value is not None:
             e.value = self._now(rows, positions, e.value)  # the average in today's terms before it learns today's pass
         e.update(seconds)
-        if rows == 1:
-            self._curve_now = None
+        self._curve_now = None
+        self.passes_seen += 1
         if positions > 1:
             self.wide_passes_seen += 1
+            self._seen_at[rows, positions] = self.passes_seen
             plain = self._plain(rows)
             if plain is not None:
                 self._plain_then[rows, positions] = plain
+                self._first.setdefault((rows, positions), seconds / plain)
 
     def _plain(self, rows: int) -> float | None:
         e = self.verify_s.get(1) if rows == 1 else self.batch_s.get((rows, 1))
         return None if e is None else e.value
 
+    @property
+    def prices_moved(self) -> tuple[int, int]:
+        """Changes whenever prices in plain passes may have moved: a wide pass measured, or a stale one relaxed."""
+        return self.wide_passes_seen, self.passes_seen // priors.STALE_HALF_LIFE
+
     def _now(self, rows: int, positions: int, seconds: float) -> float:
-        """A measured pass's price now: what it cost in plain passes when measured, times a plain pass now."""
+        """A measured pass's price now: what it cost in plain passes when measured, times a plain pass now; above what
+        it first cost, relaxed toward that as passes go by without it (class fields)."""
         then, plain = self._plain_then.get((rows, positions)), self._plain(rows)
-        return seconds if then is None or plain is None else seconds * plain / then
+        if then is None or plain is None:
+            return seconds
+        price, first = seconds * plain / then, self._first[rows, positions] * plain
+        if price > first:
+            age = self.passes_seen - self._seen_at[rows, positions]
+            price = first + (price - first) * 0.5 ** (age / priors.STALE_HALF_LIFE)
+        return price
 
     def _curve(self) -> dict[int, float]:
-        """One row's passes by width, priced now (kept: a long lookup's trim prices every length, twice)."""
+        """One row's passes by width, priced now (kept till the next pass: a long lookup's trim prices every length,
+        twice)."""
         if self._curve_now is None:
             self._curve_now = {n: self._now(1, n, e.value) for n, e in self.verify_s.items() if e.value is not None}
         return self._curve_now
@@ -191,7 +225,7 @@ class PassCostLine:
     ~170 ms on another (bf16 emulated), so no bound in seconds fits both, while a median shrugs off a hiccup."""
 
     def __init__(self, alpha_level: float = priors.PASS_LEVEL_ALPHA):
-        self.level = Ema(alpha_level)
+        self.level = _timing(alpha_level)
         self.slope_samples: list[float] = []
         self.recent: list[float] = []  # the latest passes' seconds: none costs less than the cheapest of them
         self._last: tuple[int, float] | None = None

@@ -52,6 +52,15 @@ REGIME_CHANGE = 0.5  # a draft token this much cheaper than its average says the
 # A one-row pass run padded (a wider width measured cheaper) runs at its own width every this many times: else a plain
 # pass priced in a busy minute above a 2-wide one is padded for good, never timed again (docs/results.md, session 42)
 PAD_RECHECK = 16
+# A pass or draft timed above this many times its average counts as this many: under a CPU hog (two busy processes on
+# the 2 cores) one 33 ms plain pass took ~13 s, and the average it left (2.6 s) priced every width through the plain
+# pass for hundreds of steps after the machine was quiet (ITL 60-100 against 32 ms; docs/results.md, session 43). A real
+# slowdown is still followed: 1.4x a sample at EMA_ALPHA
+TIMING_JUMP = 3.0
+# A wide pass's price above what it first cost (in plain passes) halves its excess every this many passes
+# it is not run (CostModel._now): ~2 s of plain decoding on a CPU. A width priced too dear is never drafted, so never
+# timed again: after a CPU hog 2-wide passes stayed priced at 4x their cost (docs/results.md, session 43)
+STALE_HALF_LIFE = 64
 
 # What a model draft could reach at best: where even this acceptance cannot beat plain decoding on the measured
 # costs, the draft model is never run (no prompt reading, no probe). The Qwen pair's best task measured 0.8.
