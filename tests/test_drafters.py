@@ -736,23 +736,27 @@ def test_one_descheduled_pass_does_not_price_the_passes_after_it():
 
 
 def test_a_width_priced_dear_in_a_busy_minute_comes_back_to_its_price_at_load():
-    """Wide passes timed in a busy minute can stay priced far above their cost after it (2-wide at 4x, AMD EPYC under
-    a CPU hog), and a width priced too dear is never drafted, so never timed again. Its excess over what it cost at load
-    (in plain passes) halves every STALE_HALF_LIFE passes it is not run; one measured again prices it as measured."""
+    """Wide passes timed in a busy minute can stay priced far above their cost after it (2- and 3-wide at 4x, AMD EPYC
+    under a CPU hog), and a width priced too dear is never drafted, so never timed again. Its excess over its price by
+    the table timed at load (in plain passes; interpolated for a width first timed in the busy minute) halves every
+    STALE_HALF_LIFE passes it is not run; one measured again prices it as measured."""
     ctl = AdaptiveK()
     true_ms = {1: 36, 2: 59, 4: 90, 8: 209}
     for width, ms in true_ms.items():
         ctl.observe_pass(width, 1, ms / 1e3)
-    for _ in range(12):  # a busy minute: plain passes at 100 ms, 2-wide ones at 400
+    ctl.costs.keep_load_prices()
+    for _ in range(12):  # a busy minute: plain passes at 100 ms, 2-wide ones at 400, a first 3-wide one at 3 s
         ctl.observe_pass(1, 1, 0.100)
     for _ in range(6):
         ctl.observe_pass(2, 1, 0.400)
-    for _ in range(16):  # quiet again: plain passes only (nothing drafts at such a price)
+    ctl.observe_pass(3, 1, 3.0)
+    for _ in range(16):  # quiet again: plain passes only (nothing drafts at such prices)
         ctl.observe_pass(1, 1, 0.036)
-    assert ctl.costs.verify_time(2) > 1.5 * 0.059
+    assert ctl.costs.verify_time(2) > 1.5 * 0.059 and ctl.costs.verify_time(3) > 3 * 0.0745
     for _ in range(5 * priors.STALE_HALF_LIFE):
         ctl.observe_pass(1, 1, 0.036)
     assert ctl.costs.verify_time(2) == pytest.approx(0.059, rel=0.05)
+    assert ctl.costs.verify_time(3) == pytest.approx(0.0745, rel=0.1)  # between 2- and 4-wide at load
     assert ctl.costs.verify_time(4) == pytest.approx(0.090, rel=0.05)  # never dear: unmoved
     ctl.observe_pass(2, 1, 0.070)  # timed again: its own price from there
     assert 0.059 < ctl.costs.verify_time(2) < 0.070

@@ -81,6 +81,7 @@ def calibrate(controller: AdaptiveK, backend, drafter=None, widest: int = WIDEST
     finally:
         backend.remove_rows([backend.rows - 1])
         backend.drop_cached_prefixes()  # the scratch row is no prompt anyone will send (it is read at load)
+    controller.costs.keep_load_prices()
     controller.rows_changed()
     if drafter is not None:
         measured.update(_calibrate_drafter(controller, drafter, prompt[:, :PROMPT_TOKENS]))

@@ -71,10 +71,11 @@ class CostModel:
     # cost then in plain passes, times a plain pass now: calibration reads one minute of a noisy machine, and a width
     # never drafted would keep that minute's price for the server's life.
     _plain_then: dict[tuple[int, int], float] = field(default_factory=dict)
-    # A wide pass priced above what it cost in plain passes when first measured (one row's widths: at load) relaxes
-    # toward that, halving the excess every STALE_HALF_LIFE passes it is not run: a busy minute priced 2-wide passes 4x
-    # their cost, and a width priced too dear is never drafted, so never timed again (docs/results.md, session 43).
-    _first: dict[tuple[int, int], float] = field(default_factory=dict)
+    # One row's passes by width in plain passes as timed at load (`keep_load_prices`). A wide pass priced above what
+    # this table says (interpolated; a batch's against its own plain pass) relaxes toward it, halving the excess every
+    # STALE_HALF_LIFE passes it is not run: a busy minute priced 2- and 3-wide passes 4x their cost, and a width priced
+    # too dear is never drafted, so never timed again (docs/results.md, session 43).
+    load_ratios: dict[int, float] = field(default_factory=dict)
     _seen_at: dict[tuple[int, int], int] = field(default_factory=dict)  # `passes_seen` when each was last measured
     _curve_now: dict[int, float] | None = None  # one row's curve priced now, until the next pass is observed
     passes_seen: int = 0
@@ -90,8 +91,12 @@ class CostModel:
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         table, key = (self.verify_s, positions) if rows == 1 else (self.batch_s, (rows, positions))
-        e = table.setdefault(key, _timing(self.alpha))
-        if positions > 1 and e.value is not None:
+        e = table.get(key)
+        if e is None:  # a first timing counts at most TIMING_JUMP x the price it had unmeasured, as later ones do
+            expected = self.verify_time(positions, rows)
+            seconds = seconds if not expected else min(seconds, priors.TIMING_JUMP * expected)
+            e = table[key] = _timing(self.alpha)
+        elif positions > 1:
             e.value = self._now(rows, positions, e.value)  # the average in today's terms before it learns today's pass
         e.update(seconds)
         self._curve_now = None
@@ -102,11 +107,22 @@ class CostModel:
             plain = self._plain(rows)
             if plain is not None:
                 self._plain_then[rows, positions] = plain
-                self._first.setdefault((rows, positions), seconds / plain)
 
     def _plain(self, rows: int) -> float | None:
         e = self.verify_s.get(1) if rows == 1 else self.batch_s.get((rows, 1))
         return None if e is None else e.value
+
+    def keep_load_prices(self) -> None:
+        """The one-row passes measured so far (calibration's table) become what stale prices relax toward."""
+        plain = self._plain(1)
+        if plain:
+            self.load_ratios = {n: t / plain for n, t in self._curve().items()}
+
+    def _at_load(self, rows: int, positions: int) -> float | None:
+        """A pass of rows x positions in plain passes of as many rows, by the table timed at load (None: no table)."""
+        if not self.load_ratios:
+            return None
+        return _interpolate(self.load_ratios, rows * positions) / _interpolate(self.load_ratios, rows)
 
     @property
     def prices_moved(self) -> tuple[int, int]:
@@ -114,15 +130,15 @@ class CostModel:
         return self.wide_passes_seen, self.passes_seen // priors.STALE_HALF_LIFE
 
     def _now(self, rows: int, positions: int, seconds: float) -> float:
-        """A measured pass's price now: what it cost in plain passes when measured, times a plain pass now; above what
-        it first cost, relaxed toward that as passes go by without it (class fields)."""
+        """A measured pass's price now: what it cost in plain passes when measured, times a plain pass now; above its
+        price by the table timed at load, relaxed toward that as passes go by without it (`load_ratios`)."""
         then, plain = self._plain_then.get((rows, positions)), self._plain(rows)
         if then is None or plain is None:
             return seconds
-        price, first = seconds * plain / then, self._first[rows, positions] * plain
-        if price > first:
+        price, at_load = seconds * plain / then, self._at_load(rows, positions)
+        if at_load is not None and price > at_load * plain:
             age = self.passes_seen - self._seen_at[rows, positions]
-            price = first + (price - first) * 0.5 ** (age / priors.STALE_HALF_LIFE)
+            price = at_load * plain + (price - at_load * plain) * 0.5 ** (age / priors.STALE_HALF_LIFE)
         return price
 
     def _curve(self) -> dict[int, float]:

@@ -57,9 +57,9 @@ PAD_RECHECK = 16
 # pass for hundreds of steps after the machine was quiet (ITL 60-100 against 32 ms; docs/results.md, session 43). A real
 # slowdown is still followed: 1.4x a sample at EMA_ALPHA
 TIMING_JUMP = 3.0
-# A wide pass's price above what it first cost (in plain passes) halves its excess every this many passes
-# it is not run (CostModel._now): ~2 s of plain decoding on a CPU. A width priced too dear is never drafted, so never
-# timed again: after a CPU hog 2-wide passes stayed priced at 4x their cost (docs/results.md, session 43)
+# A wide pass's price above the table timed at load (in plain passes) halves its excess every this many passes it is
+# not run (CostModel._now): ~2 s of plain decoding on a CPU. A width priced too dear is never drafted, so never timed
+# again: after a CPU hog 2- and 3-wide passes stayed priced at 4x their cost (docs/results.md, session 43)
 STALE_HALF_LIFE = 64
 
 # What a model draft could reach at best: where even this acceptance cannot beat plain decoding on the measured
