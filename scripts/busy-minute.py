@@ -7,7 +7,7 @@ width as stored and as priced now (`CostModel._curve`). A price left far above w
 is quiet is never drafted, so never timed again. Timings vary from run to run with where the hog's deschedulings fall:
 compare trees in alternated runs (`PYTHONPATH=<tree>/src`). Not part of CI.
 
-Usage: .venv/bin/python scripts/busy-minute.py [--hog-from 2] [--hog-to 5] [--requests 12] [--hogs 2] [--tokens 64]
+Usage: .venv/bin/python scripts/busy-minute.py [--hog-from 2|-1] [--hog-to 5] [--requests 12] [--hogs 2] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ from specdecode.pipeline import load_components
 from specdecode.prompts import load_prompts
 
 
+def spin(processes: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hog-from", type=int, default=2, help="request at which the hog starts")
+    ap.add_argument("--hog-from", type=int, default=2, help="request at which the hog starts (-1: before loading, so "
+                    "the pass table timed at load is a busy one)")
     ap.add_argument("--hog-to", type=int, default=5, help="request at which it stops")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--hogs", type=int, default=2, help="spinning processes")
@@ -33,17 +38,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
-    model, tok, drafter, k, _ = load_components("qwen2.5-coder-1.5b", "auto", backend="llama.cpp",
-                                                threads=args.threads, max_rows=8, k=None, adaptive=True)
-    engine = BatchEngine(model, drafter, tok, k=k, adaptive=True, max_batch=8)
-    texts = [p.text for p in load_prompts("specbench", per_task=4)]
-    controller = engine.controller
     hogs: list[subprocess.Popen] = []
     try:
+        if args.hog_from < 0:
+            print("-- hog on (load)", flush=True)
+            hogs = spin(args.hogs)
+        model, tok, drafter, k, _ = load_components("qwen2.5-coder-1.5b", "auto", backend="llama.cpp",
+                                                    threads=args.threads, max_rows=8, k=None, adaptive=True)
+        engine = BatchEngine(model, drafter, tok, k=k, adaptive=True, max_batch=8)
+        texts = [p.text for p in load_prompts("specbench", per_task=4)]
+        controller = engine.controller
         for i in range(args.requests):
             if i == args.hog_from:
                 print("-- hog on", flush=True)
-                hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+                hogs = spin(args.hogs)
             if i == args.hog_to:
                 print("-- hog off", flush=True)
                 for hog in hogs:

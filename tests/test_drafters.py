@@ -762,6 +762,25 @@ def test_a_width_priced_dear_in_a_busy_minute_comes_back_to_its_price_at_load():
     assert 0.059 < ctl.costs.verify_time(2) < 0.070
 
 
+def test_a_width_dearer_than_at_load_is_priced_as_it_runs_after_one_pass():
+    """A width that really costs more than the table at load says (a batch's pass at deep contexts: 2x a plain step
+    where the table said 1.2x, AMX Xeon) relaxes toward the table while not run; the next pass it runs counts as much
+    as the price had relaxed, so one pass prices it again (not five at EMA_ALPHA, each a bet at the wrong price)."""
+    ctl = AdaptiveK()
+    true_ms = {1: 36, 2: 59, 4: 90, 8: 209}
+    for width, ms in true_ms.items():
+        ctl.observe_pass(width, 1, ms / 1e3)
+    ctl.costs.keep_load_prices()
+    for _ in range(10):
+        ctl.observe_pass(4, 1, 0.180)  # twice the table's price, every time it runs
+    assert ctl.costs.verify_time(4) == pytest.approx(0.180, rel=0.15)
+    for _ in range(5 * priors.STALE_HALF_LIFE):
+        ctl.observe_pass(1, 1, 0.036)
+    assert ctl.costs.verify_time(4) < 0.1
+    ctl.observe_pass(4, 1, 0.180)
+    assert ctl.costs.verify_time(4) > 0.17
+
+
 def test_a_refined_source_starts_where_its_parent_stands():
     """A chain draft (source "suffix/chain") is first priced by what this engine learned of its parent's long matches,
     not by a prior: where long copies broke early it is cut short; where its parent never drafted, the prior decides."""

@@ -16,13 +16,15 @@ class Ema:
     def __init__(self, alpha: float, value: float | None = None, jump: float | None = None):
         self.alpha, self.value, self.jump = alpha, value, jump
 
-    def update(self, x: float) -> None:
+    def update(self, x: float, weight: float | None = None) -> None:
+        """weight: the sample's share instead of alpha (an average gone stale is mostly a guess)."""
         if self.value is None:
             self.value = x
             return
         if self.jump is not None and self.value > 0:
             x = min(x, self.jump * self.value)
-        self.value = (1 - self.alpha) * self.value + self.alpha * x
+        weight = self.alpha if weight is None else weight
+        self.value = (1 - weight) * self.value + weight * x
 
 
 def _timing(alpha: float = priors.EMA_ALPHA) -> Ema:
@@ -91,14 +93,19 @@ class CostModel:
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         table, key = (self.verify_s, positions) if rows == 1 else (self.batch_s, (rows, positions))
-        e = table.get(key)
+        e, weight = table.get(key), None
         if e is None:  # a first timing counts at most TIMING_JUMP x the price it had unmeasured, as later ones do
             expected = self.verify_time(positions, rows)
             seconds = seconds if not expected else min(seconds, priors.TIMING_JUMP * expected)
             e = table[key] = _timing(self.alpha)
         elif positions > 1:
             e.value = self._now(rows, positions, e.value)  # the average in today's terms before it learns today's pass
-        e.update(seconds)
+            # an average not fed for a while is old news (where it was dear, mostly the table's guess by now): today's
+            # pass counts as much as a price would have relaxed since, so a width dearer than at load (a batch's at deep
+            # contexts) is priced as it runs after one pass, not five
+            age = self.passes_seen - self._seen_at[rows, positions]
+            weight = max(self.alpha, 1 - 0.5 ** (age / priors.STALE_HALF_LIFE))
+        e.update(seconds, weight)
         self._curve_now = None
         self.passes_seen += 1
         if positions > 1:
