@@ -44,6 +44,33 @@ def test_speedup_is_ratio_of_measured_times_and_identity_is_flagged():
     assert summary["plain"]["latency_p50"] == 2.0 and summary["fast"]["tokens_per_s"] == pytest.approx(20.0)
 
 
+def test_lowest_prompts_tell_a_longer_answer_from_a_slower_decode(tmp_path):
+    """tok/s counts the prompt's reading, so an answer that ended sooner (a near-tie) looks slower on a long prompt:
+    the lowest-prompts section gives each prompt's decode-only ratio beside it, and lengths and first-token times."""
+    class Timed(Scripted):
+        def __init__(self, name, ttft, per_token, length):
+            super().__init__(name, ttft + per_token * (length - 1), [5] * length)
+            self.ttft = ttft
+
+        def run(self, input_ids, max_new_tokens, sampling):
+            return Run(list(self.tokens), self.ttft, self.latency, dict(
+                drafted_tokens=3, accepted_tokens=1, mean_accepted_len=1.0, drafted_per_position=[1, 1, 1],
+                accepted_per_position=[1, 0, 0], accepted_len_histogram=[0, 1]))
+
+    # ours: the same reading, each token 0.8x the time, but the answer ends at 4 tokens against 10
+    methods = [Timed("llama-cpp", 2.0, 0.10, 10), Timed("spec", 2.0, 0.08, 4)]
+    rows = run_bench(methods, PROMPTS, encode, BenchConfig(max_new_tokens=10, warmup=False))
+    summary = write_report(rows, ["llama-cpp", "spec"], {}, "specdecode bench ...", {}, tmp_path)
+    lowest = summary["lowest"]["spec"]
+    assert lowest["reference"] == "llama-cpp" and len(lowest["prompts"]) == len(PROMPTS)
+    first = lowest["prompts"][0]
+    assert first["speedup"] == pytest.approx((4 / 2.24) / (10 / 2.9))  # 0.52x in tok/s
+    assert first["decode_speedup"] == pytest.approx(0.10 / 0.08)  # 1.25x a token decoded
+    assert first["new_tokens"] == [4, 10] and (first["drafted"], first["accepted"]) == (3, 1)
+    assert "## Lowest prompts: spec against llama-cpp" in (tmp_path / "report.md").read_text()
+    assert "llama-cpp" not in summary["lowest"]
+
+
 def test_bench_on_tiny_models_writes_report_and_plots(tmp_path, target, near_draft):
     eos = frozenset({1})
     methods = [

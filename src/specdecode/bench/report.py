@@ -11,16 +11,43 @@ import numpy as np
 BASELINES = ("hf-greedy", "hf-assisted", "hf-pld", "llama-cpp", "llama-cpp-pld")
 
 
-def _ratios(rows: list[dict], method: str, reference: str) -> list[float]:
-    """Per prompt: tokens/s of `method` over tokens/s of `reference` (= time ratio for equal outputs)."""
+LOWEST_SHOWN = 8  # prompts listed under "Lowest prompts" per method
+
+
+def _pairs(rows: list[dict], method: str, reference: str) -> list[tuple[dict, dict]]:
+    """Per prompt: (the method's row, the reference's row), where both ran it."""
     by_prompt = defaultdict(dict)
     for r in rows:
         by_prompt[r["prompt_id"]][r["method"]] = r
-    return [
-        pair[method]["tokens_per_s"] / pair[reference]["tokens_per_s"]
-        for pair in by_prompt.values()
-        if method in pair and reference in pair and pair[reference]["tokens_per_s"] > 0
-    ]
+    return [(pair[method], pair[reference]) for pair in by_prompt.values()
+            if method in pair and reference in pair and pair[reference]["tokens_per_s"] > 0]
+
+
+def _ratios(rows: list[dict], method: str, reference: str) -> list[float]:
+    """Per prompt: tokens/s of `method` over tokens/s of `reference` (= time ratio for equal outputs)."""
+    return [mine["tokens_per_s"] / theirs["tokens_per_s"] for mine, theirs in _pairs(rows, method, reference)]
+
+
+def _decode_s_per_token(row: dict) -> float | None:
+    """Seconds a token after the first: the prompt's reading left out, so answers of different lengths compare (a
+    near-tie can end one answer at 63 tokens and the other at 111, and a long prompt's reading then decides tok/s)."""
+    n, decoding = row["new_tokens"], row["latency_s"] - row["ttft_s"]
+    return decoding / (n - 1) if n > 1 and decoding > 0 else None
+
+
+def lowest_prompts(rows: list[dict], method: str, reference: str, shown: int = LOWEST_SHOWN) -> list[dict]:
+    """The prompts where `method` did worst against `reference` (tokens/s ratio), each with what explains it: answer
+    lengths, first-token times, the decode-only ratio, what was drafted and accepted."""
+    out = []
+    for mine, theirs in _pairs(rows, method, reference):
+        d_mine, d_theirs = _decode_s_per_token(mine), _decode_s_per_token(theirs)
+        out.append(dict(
+            prompt_id=mine["prompt_id"], task=mine["task"], prompt_tokens=mine.get("prompt_tokens"),
+            new_tokens=[mine["new_tokens"], theirs["new_tokens"]], ttft_s=[mine["ttft_s"], theirs["ttft_s"]],
+            speedup=mine["tokens_per_s"] / theirs["tokens_per_s"],
+            decode_speedup=d_theirs / d_mine if d_mine and d_theirs else None,
+            drafted=mine["stats"].get("drafted_tokens"), accepted=mine["stats"].get("accepted_tokens")))
+    return sorted(out, key=lambda p: p["speedup"])[:shown]
 
 
 def _describe(values: list[float]) -> dict | None:
@@ -54,7 +81,13 @@ def summarize_group(rows: list[dict], methods: list[str]) -> dict:
 
 def summarize(rows: list[dict], methods: list[str]) -> dict:
     tasks = sorted({r["task"] for r in rows})
-    return dict(overall=summarize_group(rows, methods), tasks={t: summarize_group([r for r in rows if r["task"] == t], methods) for t in tasks})
+    ran = {r["method"] for r in rows}
+    # lowest prompts against plain where it ran, else against the first baseline that did
+    reference = next((b for b in ("plain", *BASELINES) if b in ran), None)
+    lowest = {m: dict(reference=reference, prompts=lowest_prompts(rows, m, reference))
+              for m in methods if reference and m != reference and m not in BASELINES and m in ran}
+    return dict(overall=summarize_group(rows, methods), lowest=lowest,
+                tasks={t: summarize_group([r for r in rows if r["task"] == t], methods) for t in tasks})
 
 
 def _fmt(x, spec=".2f", suffix=""):
@@ -100,6 +133,17 @@ def render_markdown(summary: dict, env: dict, command: str, config: dict) -> str
         "",
         *_table(summary["overall"]),
     ]
+    for method, lowest in summary.get("lowest", {}).items():
+        lines += ["", f"## Lowest prompts: {method} against {lowest['reference']}", "",
+                  "tok/s counts the prompt's reading; `decode` leaves it out (a token after the first), so it compares "
+                  "answers of different lengths.", "",
+                  "| prompt | task | prompt tokens | new tokens (ours / theirs) | TTFT s (ours / theirs) | tok/s ratio "
+                  "| decode ratio | drafted / accepted |", "|" + "---|" * 8]
+        for p in lowest["prompts"]:
+            lines.append(f"| {p['prompt_id']} | {p['task']} | {_fmt(p['prompt_tokens'], 'd')} | {p['new_tokens'][0]} / "
+                         f"{p['new_tokens'][1]} | {p['ttft_s'][0]:.2f} / {p['ttft_s'][1]:.2f} | "
+                         f"{_fmt(p['speedup'], suffix='×')} | {_fmt(p['decode_speedup'], suffix='×')} | "
+                         f"{_fmt(p['drafted'], 'd')} / {_fmt(p['accepted'], 'd')} |")
     for task, group in summary["tasks"].items():
         lines += ["", f"## {task}", "", *_table(group)]
     lines += ["", "![speedup per task](speedup_by_task.png)", "![latency CDF](latency_cdf.png)"]
