@@ -248,7 +248,9 @@ class PassCostLine:
     ~170 ms on another (bf16 emulated), so no bound in seconds fits both, while a median shrugs off a hiccup."""
 
     def __init__(self, alpha_level: float = priors.PASS_LEVEL_ALPHA):
-        self.level = _timing(alpha_level)
+        # no TIMING_JUMP: a level (a pass less its positions' share) can sit near zero, where a bound relative to it
+        # would stop it following; it is fed by every one-row pass, so a hiccup leaves it within ~10 passes
+        self.level = Ema(alpha_level)
         self.slope_samples: list[float] = []
         self.recent: list[float] = []  # the latest passes' seconds: none costs less than the cheapest of them
         self._last: tuple[int, float] | None = None
