@@ -78,6 +78,7 @@ class CostModel:
     # STALE_HALF_LIFE passes it is not run: a busy minute priced 2- and 3-wide passes 4x their cost, and a width priced
     # too dear is never drafted, so never timed again (docs/results.md, session 43).
     load_ratios: dict[int, float] = field(default_factory=dict)
+    _at_load_memo: dict[tuple[int, int], float] = field(default_factory=dict)  # `_at_load` of the table (fixed at load)
     _seen_at: dict[tuple[int, int], int] = field(default_factory=dict)  # `passes_seen` when each was last measured
     _curve_now: dict[int, float] | None = None  # one row's curve priced now, until the next pass is observed
     passes_seen: int = 0
@@ -124,12 +125,17 @@ class CostModel:
         plain = self._plain(1)
         if plain:
             self.load_ratios = {n: t / plain for n, t in self._curve().items()}
+            self._at_load_memo = {}
 
     def _at_load(self, rows: int, positions: int) -> float | None:
         """A pass of rows x positions in plain passes of as many rows, by the table timed at load (None: no table)."""
         if not self.load_ratios:
             return None
-        return _interpolate(self.load_ratios, rows * positions) / _interpolate(self.load_ratios, rows)
+        ratio = self._at_load_memo.get((rows, positions))
+        if ratio is None:  # every price of every step asks: the interpolation is done once a shape
+            ratio = _interpolate(self.load_ratios, rows * positions) / _interpolate(self.load_ratios, rows)
+            self._at_load_memo[rows, positions] = ratio
+        return ratio
 
     @property
     def prices_moved(self) -> tuple[int, int]:
