@@ -108,9 +108,11 @@ def cut_ms(answer: list[int], drafts: list[Draft], cost: np.ndarray, rule) -> fl
     return ms
 
 
-def seeded_controller(cost: np.ndarray, widest: int) -> AdaptiveK:
-    """AdaptiveK seeded with the pass table as `calibrate` would time it."""
+def seeded_controller(cost: np.ndarray, widest: int, tokenizer=None) -> AdaptiveK:
+    """AdaptiveK seeded with the pass table as `calibrate` would time it (given the tokenizer, as the engine's)."""
     ctl = AdaptiveK()
+    if tokenizer is not None:
+        ctl.read_vocabulary(tokenizer)
     passes: dict[int, float] = {}
     for width in widths(widest):
         if too_wide(passes, width):
@@ -163,6 +165,8 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=suffix.MAX_TREE_DEPTH, help="the suffix trees' depth")
     parser.add_argument("--alternatives", type=int, default=2, help="runner-ups in the drafter's tree (the product's: 2)")
     parser.add_argument("--no-chains", action="store_true", help="the drafter without its long exact chains")
+    parser.add_argument("--no-sentences", action="store_true",
+                        help="the controller without the vocabulary (no rate of its own after a sentence's end)")
     parser.add_argument("--loss", default=None, metavar="STAKE:SHARE",
                         help="the controller's loss limit (priors.LOSS_STAKE, LOSS_SHARE) instead of the product's")
     args = parser.parse_args()
@@ -185,7 +189,8 @@ def main() -> None:
     read_ms = (cost[64] - cost[32]) / 32
     whole, worst_whole, plain_whole = np.zeros(len(variants)), [np.inf] * len(variants), 0.0
     belief = pass_table(args.belief_ms, len(cost) - 1) if args.belief_ms else cost
-    controllers = [seeded_controller(belief, max(WIDEST, k + 1)) for *_, k in variants]
+    controllers = [seeded_controller(belief, max(WIDEST, k + 1), None if args.no_sentences else tokenizer)
+                   for *_, k in variants]
     fresh_chains = lambda: suffix.ContextChains(capacity=0 if args.no_chains else suffix.CHAIN_CONTEXTS)  # noqa: E731
     caches = [(suffix.shared_cache(), fresh_chains()) if args.cross_request else (None, None) for _ in variants]
     for row, prompt in enumerate(prompts):

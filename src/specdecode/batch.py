@@ -166,6 +166,8 @@ class BatchEngine:
         self.controller: Controller = AdaptiveK(max_k=k) if adaptive else FixedK()
         if adaptive:
             self.controller.pads = self.backend.pads_passes
+            if tokenizer is not None and drafter is not None:
+                self.controller.read_vocabulary(tokenizer)
         if drafter is not None:
             drafter.check_vocab(self.backend.vocab_size, tokenizer)
         # What the controller needs measured (passes by width, a draft token), at load instead of on a request's time

@@ -21,6 +21,7 @@ from . import priors
 from .batch import BatchDecision, BatchPolicy, most_saving
 from .hindsight import Hindsight
 from .measurements import Measurements
+from .sentences import sentence_ends
 from .step import LOOKUP, MODEL, RowPlan, StepOutcome, StepPlan
 
 if TYPE_CHECKING:
@@ -87,6 +88,12 @@ class AdaptiveK:
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
         self.saved: dict[int, float] = {}  # by row serial: plain passes its steps saved so far (negative: lost)
         self._can_pay: tuple[tuple, float, bool] | None = None  # model_can_pay's last answer: (key, draft / plain, answer)
+        self._drafted: dict[int, list[int]] = {}  # by row serial: the lookup draft fit chose this step, for observe
+
+    def read_vocabulary(self, tokenizer) -> None:
+        """Price lookup positions after a sentence's end apart (control/sentences.py): the tokenizer says which
+        tokens end one."""
+        self.measured.sentences = sentence_ends(tokenizer)
 
     @property
     def costs(self):
@@ -206,10 +213,13 @@ class AdaptiveK:
                 draft.truncate(keep)
         else:
             drafts[:] = [self.trim(draft, seq) for seq, draft in zip(rows, drafts)]
+        self._drafted = {}
         for seq, candidates, draft in zip(rows, offered, drafts):
             for candidate, tokens in candidates:  # the one not chosen is judged too, as if verified for nothing
                 verified = draft.length if candidate is draft else 0
                 self.hindsight.offer(seq, tokens, candidate.source, candidate.match_len, verified)
+                if verified:
+                    self._drafted[seq.serial] = tokens
 
     def judge_in_hindsight(self) -> None:
         """Learn from the lookup drafts whose verdicts the rows' committed tokens now give."""
@@ -227,9 +237,10 @@ class AdaptiveK:
         self._count_savings(outcome)
         if outcome.verify_s is not None:
             self.observe_pass(outcome.positions, len(outcome.row_ids), outcome.verify_s)
-        for row in outcome.rows:
+        for serial, row in zip(outcome.row_ids, outcome.rows):
             self.observe_row(row.source, row.confidence, row.drafted, row.accepted, row.draft_s, row.leaf_used,
-                             row.positions, row.match_len)
+                             row.positions, row.match_len, self._drafted.get(serial))
+        self._drafted = {}
 
     # --- one row's decision ------------------------------------------------------------------------
 
@@ -336,7 +347,7 @@ class AdaptiveK:
         tokens per second (a length of 0: a plain step's), among the lengths that lose at most `most_lost` plain passes
         where every drafted position is rejected (None: any length)."""
         width, rows = _widths(draft), self.rows
-        expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len)
+        expected = self.measured.expected_accepted(draft.source, draft.length, draft.match_len, draft.tokens[0])
         affordable = lambda n: most_lost is None or self._lost_at_worst(width[n]) <= most_lost  # noqa: E731
         if self.reading:  # beside a prompt reading: the length that saves the most time
             per_position, saves = self.measured.costs.riding(rows)
@@ -430,11 +441,11 @@ class AdaptiveK:
 
     def observe_row(
         self, source: str, confidences: list[float] | None, drafted: int, accepted: int, draft_s: float,
-        leaf_used: bool | None = None, positions: int | None = None, match_len: int = 0,
+        leaf_used: bool | None = None, positions: int | None = None, match_len: int = 0, tokens: list[int] | None = None,
     ) -> None:
         """What one row drafted in `draft_s` seconds and how much of it the target accepted (leaf_used: whether
         a tree leaf held the correction, None: the draft had no leaves; positions: what the row's pass scored,
-        more than drafted + 1 with leaves; match_len: a lookup draft's match)."""
+        more than drafted + 1 with leaves; match_len: a lookup draft's match; tokens: a lookup draft's tokens)."""
         before = self.measured.costs.draft_token_s.get(source)
         if drafted and before is not None and before.value and draft_s / drafted < priors.REGIME_CHANGE * before.value:
             self.probe_interval = self.probe_every  # drafting got much cheaper (a busy stretch over): probe again soon
@@ -449,4 +460,4 @@ class AdaptiveK:
         if confidences:
             self.measured.calibrator.update(confidences, accepted)
         else:  # at once, for the next step; what lies past the verified part comes in hindsight (plan_step)
-            self.measured.observe_lookup(source, match_len, drafted, accepted)
+            self.measured.observe_lookup(source, match_len, drafted, accepted, tokens)

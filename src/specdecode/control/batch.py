@@ -113,7 +113,8 @@ class BatchPolicy:
         longest = max((d.length for d in drafts), default=0)
         if not longest or self.measured.costs.verify_time(1, rows) is None:
             return 0
-        expected = [self.measured.expected_accepted(d.source, d.length, d.match_len) for d in drafts if d.length]
+        expected = [self.measured.expected_accepted(d.source, d.length, d.match_len, d.tokens[0]) for d in drafts
+                    if d.length]
         if reading:  # each row's drafted positions add to the reading pass (rows are not padded there)
             per_position, saves = self.measured.costs.riding(rows)
             saved = [sum(e[min(n, len(e)) - 1] for e in expected) * saves

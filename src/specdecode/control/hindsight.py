@@ -9,7 +9,7 @@ draft distribution is one-hot), the probability with which plain sampling commit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ class Verdict:
     verified: int
     judged: int
     right: int
+    tokens: list[int] | None = field(default=None, compare=False)  # the draft's (where a sentence ended in it)
 
 
 @dataclass
@@ -64,14 +65,14 @@ class Hindsight:
                 for token in known[: len(record.tokens) - record.right]:
                     if token != record.tokens[record.right]:
                         verdicts.append(Verdict(record.source, record.match_len, record.verified, record.right + 1,
-                                                record.right))
+                                                record.right, record.tokens))
                         break
                     record.right += 1
                 else:
                     if record.right == len(record.tokens) or seq.finished:
                         if record.right:  # a row that ended before its next token says nothing
                             verdicts.append(Verdict(record.source, record.match_len, record.verified, record.right,
-                                                    record.right))
+                                                    record.right, record.tokens))
                     else:
                         still.append(record)
             if still:

@@ -9,6 +9,7 @@ import copy
 from . import priors
 from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
 from .hindsight import Verdict
+from .sentences import SentenceEnds
 
 
 def match_class(match_len: int) -> int:
@@ -46,6 +47,11 @@ class Measurements:
         # the ones before it were)
         self.lookup: dict[tuple[str, int], tuple[Ema, CopyRate]] = {}
         self.judged_lookups: set[tuple[str, int]] = set()  # (source, match class) with a draft judged
+        # P(a lookup's token is right | the ones before it were, and a sentence ended just before it), by source:
+        # where the vocabulary is known (`sentences`), the positions after a sentence's end are priced and learned
+        # apart from the class's later rate (control/sentences.py)
+        self.sentences: SentenceEnds | None = None
+        self.after_sentence: dict[str, CopyRate] = {}
         # At a rejection one of the tree leaves is the target's correction this often (one more token)
         self.leaf_hit = Ema(priors.LEAF_HIT_ALPHA, priors.LEAF_HIT)
         self.leaves_per_token = Ema(priors.EMA_ALPHA)  # leaves a drafted token carried (unlikely ones are left out)
@@ -53,11 +59,26 @@ class Measurements:
     def leaf_hit_rate(self, leaves: bool) -> float:
         return self.leaf_hit.value if leaves else 0.0
 
-    def expected_accepted(self, source: str, length: int, match_len: int = 0) -> list[float]:
+    def expected_accepted(self, source: str, length: int, match_len: int = 0, tokens=None) -> list[float]:
         """[n - 1]: expected accepted tokens of the first n tokens of a draft without confidences (a lookup), from the
-        measured acceptance of drafts from that source with a match of about that length."""
+        measured acceptance of drafts from that source with a match of about that length (and, given its tokens,
+        at a sentence's end)."""
         first, later = self.lookup_rates(source, match_len)
-        return _expected(first.value, later.value, length)
+        marks = self._sentence_marks(tokens)
+        if marks is None or not marks[:length].any():
+            return _expected(first.value, later.value, length)
+        return _expected(first.value, later.value, length, marks, min(self.after_sentence_rate(source).value, later.value))
+
+    def after_sentence_rate(self, source: str) -> CopyRate:
+        """The source's rate after a sentence's end; a refined source ("suffix/chain") starts from its parent's."""
+        if source not in self.after_sentence:
+            parent, slash, _ = source.rpartition("/")
+            self.after_sentence[source] = (copy.deepcopy(self.after_sentence[parent]) if slash and parent in self.after_sentence
+                                           else CopyRate(priors.AFTER_SENTENCE_ACCEPT))
+        return self.after_sentence[source]
+
+    def _sentence_marks(self, tokens):
+        return None if tokens is None or self.sentences is None else self.sentences.after(tokens)
 
     def lookup_rates(self, source: str, match_len: int) -> tuple[Ema, CopyRate]:
         """The first token's rate and the later tokens', both starting from the match class's prior: a later position
@@ -95,26 +116,43 @@ class Measurements:
         counts as if verified whole; one whose verified part was all accepted adds the positions past it (the verified
         part was observed at its step)."""
         if not verdict.verified:
-            self.observe_lookup(verdict.source, verdict.match_len, verdict.judged, verdict.right)
+            self.observe_lookup(verdict.source, verdict.match_len, verdict.judged, verdict.right, verdict.tokens)
         elif verdict.right >= verdict.verified and verdict.judged > verdict.verified:
-            _, later = self.lookup_rates(verdict.source, verdict.match_len)
-            later.update(verdict.right - verdict.verified, 1 if verdict.judged > verdict.right else 0)
+            self._observe_later(verdict.source, verdict.match_len, verdict.verified, verdict.right, verdict.judged,
+                                verdict.tokens)
 
-    def observe_lookup(self, source: str, match_len: int, drafted: int, accepted: int) -> None:
-        """A lookup draft of `drafted` tokens, `accepted` of them accepted: positions up to the first rejection."""
-        first, later = self.lookup_rates(source, match_len)
+    def observe_lookup(self, source: str, match_len: int, drafted: int, accepted: int, tokens=None) -> None:
+        """A lookup draft of `drafted` tokens (`tokens`, where known), `accepted` of them accepted: positions up to the
+        first rejection."""
+        first, _ = self.lookup_rates(source, match_len)
         self.judged_lookups.add((source, match_class(match_len)))
         first.update(1.0 if accepted else 0.0)
         if accepted:
-            later.update(accepted - 1, 1 if accepted < drafted else 0)
+            self._observe_later(source, match_len, 1, accepted, drafted, tokens)
+
+    def _observe_later(self, source: str, match_len: int, start: int, right: int, judged: int, tokens) -> None:
+        """Positions start..judged - 1 of a draft judged: those before `right` right, the one at `right` (if judged)
+        wrong; each counted in the class's later rate, or after a sentence's end in the source's rate for that."""
+        _, later = self.lookup_rates(source, match_len)
+        wrong = 1 if judged > right else 0
+        marks = self._sentence_marks(tokens)
+        if marks is None:
+            later.update(right - start, wrong)
+            return
+        later.update(right - start, wrong)
+        right_after = int(marks[start:right].sum())
+        wrong_after = wrong if right < len(marks) and marks[right] else 0
+        if right_after or wrong_after:
+            self.after_sentence_rate(source).update(right_after, wrong_after)
 
 
-def _expected(first: float, later: float, length: int) -> list[float]:
+def _expected(first: float, later: float, length: int, after_sentence=None, at_sentence: float = 0.0) -> list[float]:
     """[n - 1]: expected accepted tokens of a draft's first n tokens, the first right with probability `first` and each
-    later one, given the ones before it, with `later`."""
+    later one, given the ones before it, with `later` (`at_sentence` where `after_sentence` marks a sentence's end
+    just before it)."""
     expected, survive, total = [], first, 0.0
-    for _ in range(length):
+    for i in range(length):
         total += survive
         expected.append(total)
-        survive *= later
+        survive *= at_sentence if after_sentence is not None and i + 1 < len(after_sentence) and after_sentence[i + 1] else later
     return expected

@@ -28,6 +28,9 @@ SHORT_MATCH_CLASSES = (1, 2, 3)
 # long draft, so one rejection stops a copy's long drafts for a draft or two, not for dozens of steps)
 COPY_PRIOR_WEIGHT = 4.0
 COPY_DECAY = 0.98
+# A lookup's position after a sentence's end, before any is judged (control/sentences.py): copies of prose broke there
+# 25-100 % of the time (Spec-Bench answers), copies of code's comments never; a coin leaning to copying
+AFTER_SENTENCE_ACCEPT = 0.7
 LEAF_HIT = 0.3  # a rejection's correction among the runner-ups: measured ~42 % on the Qwen pair; lower, so leaves earn their width
 
 # Margins: estimates are noisy and a wrong switch costs
