@@ -48,8 +48,8 @@ class Measurements:
         self.lookup: dict[tuple[str, int], tuple[Ema, CopyRate]] = {}
         self.judged_lookups: set[tuple[str, int]] = set()  # (source, match class) with a draft judged
         # P(a lookup's token is right | the ones before it were, and a sentence ended just before it), by source:
-        # where the vocabulary is known (`sentences`), the positions after a sentence's end are priced and learned
-        # apart from the class's later rate (control/sentences.py)
+        # where the vocabulary is known (`sentences`), a position after a sentence's end is priced at the lower of
+        # this and its class's later rate (control/sentences.py)
         self.sentences: SentenceEnds | None = None
         self.after_sentence: dict[str, CopyRate] = {}
         # At a rejection one of the tree leaves is the target's correction this often (one more token)
@@ -132,18 +132,17 @@ class Measurements:
 
     def _observe_later(self, source: str, match_len: int, start: int, right: int, judged: int, tokens) -> None:
         """Positions start..judged - 1 of a draft judged: those before `right` right, the one at `right` (if judged)
-        wrong; each counted in the class's later rate, or after a sentence's end in the source's rate for that."""
+        wrong. The class's later rate counts them all; those right after a sentence's end count in the source's rate
+        there too."""
         _, later = self.lookup_rates(source, match_len)
         wrong = 1 if judged > right else 0
-        marks = self._sentence_marks(tokens)
-        if marks is None:
-            later.update(right - start, wrong)
-            return
         later.update(right - start, wrong)
-        right_after = int(marks[start:right].sum())
-        wrong_after = wrong if right < len(marks) and marks[right] else 0
-        if right_after or wrong_after:
-            self.after_sentence_rate(source).update(right_after, wrong_after)
+        marks = self._sentence_marks(tokens)
+        if marks is not None:
+            right_after = int(marks[start:right].sum())
+            wrong_after = wrong if right < len(marks) and marks[right] else 0
+            if right_after or wrong_after:
+                self.after_sentence_rate(source).update(right_after, wrong_after)
 
 
 def _expected(first: float, later: float, length: int, after_sentence=None, at_sentence: float = 0.0) -> list[float]:

@@ -3,7 +3,9 @@ sentence: a summary quotes its article a sentence at a time, then says something
 drafter's drafts along the target's answers (48 Spec-Bench prompts), a copy that was right up to a sentence's end went
 on right 62-75 % of the time in summaries and 0 % in rag, conversation and math answers, against 98-99.5 % inside a
 sentence; in code edits (docstrings and comments copied whole) 100 % (docs/results.md, session 44). So the position
-after a sentence's end gets a rate of its own (measurements.Measurements.after_sentence_rate), learned as the others."""
+after a sentence's end has a rate of its own, by source (measurements.Measurements.after_sentence_rate), and is priced
+at the lower of it and the class's rate for every later position: a draft that crosses no sentence end is priced as
+without it."""
 
 from __future__ import annotations
 
