@@ -40,8 +40,9 @@ def test_a_sentence_ends_before_white_space_not_inside_a_word_or_a_number():
     text = [" the", " cat", " sat", ".", " It", " ran", "!", " x", ".y", " 1", ".5", ".\n", "Then", "?", " the"]
     marks = SentenceEnds(TOKENIZER).after([TEXTS.index(t) for t in text])
     assert [t for t, m in zip(text, marks) if m] == [" It", " x", "Then", " the"]
-    assert not SentenceEnds(TOKENIZER).after([FULL_STOP]).any()  # one token: nothing before it
-    assert not SentenceEnds(TOKENIZER).after([FULL_STOP, 10_000]).any()  # an id past the vocabulary ends nothing
+    assert SentenceEnds(TOKENIZER).after([FULL_STOP]) is None  # one token: nothing before it
+    assert SentenceEnds(TOKENIZER).after([1, 2, 3]) is None  # no sentence ends: no marks to read
+    assert SentenceEnds(TOKENIZER).after([10_000, NEXT, -1, NEXT]) is None  # ids outside the vocabulary end nothing
 
 
 def copy(sentence_at=None, length=40):
@@ -111,6 +112,6 @@ def test_an_adaptive_engine_with_a_tokenizer_reads_which_tokens_end_a_sentence(t
 
     engine = BatchEngine(tiny_model(0), NgramDrafter(), tokenizer, k=4, adaptive=True, max_batch=1, calibrate_costs=False)
     sentences = engine.controller.measured.sentences
-    assert sentences is not None and len(sentences.ends) == len(tokenizer)
+    assert sentences is not None and len(sentences.ends) == len(tokenizer) + 1  # and one for ids outside it
     assert BatchEngine(tiny_model(0), NgramDrafter(), k=4, adaptive=True, max_batch=1,
                        calibrate_costs=False).controller.measured.sentences is None  # no tokenizer: every position alike

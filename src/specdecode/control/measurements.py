@@ -65,7 +65,7 @@ class Measurements:
         at a sentence's end)."""
         first, later = self.lookup_rates(source, match_len)
         marks = self._sentence_marks(tokens)
-        if marks is None or not marks[:length].any():
+        if marks is None:
             return _expected(first.value, later.value, length)
         return _expected(first.value, later.value, length, marks, min(self.after_sentence_rate(source).value, later.value))
 
@@ -78,6 +78,7 @@ class Measurements:
         return self.after_sentence[source]
 
     def _sentence_marks(self, tokens):
+        """Where a sentence ended before each of a draft's tokens; None where none did (or the vocabulary is not known)."""
         return None if tokens is None or self.sentences is None else self.sentences.after(tokens)
 
     def lookup_rates(self, source: str, match_len: int) -> tuple[Ema, CopyRate]:

@@ -27,31 +27,32 @@ class SentenceEnds:
         raw = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         marked = [i for i, r in enumerate(raw) if r and any(mark in r for mark in SENTENCE_ENDS)]
         texts = tokenizer.batch_decode([[i] for i in marked]) if marked else []
-        self.ends = np.zeros(len(raw), dtype=bool)  # the token's text ends with a mark (white space after it aside)
-        self.spaced = np.zeros(len(raw), dtype=bool)  # ...and white space follows the mark in the token itself
+        # by token id, and one more entry (False) that every id outside the vocabulary is read as
+        self.ends = np.zeros(len(raw) + 1, dtype=bool)  # the token's text ends with a mark (white space after it aside)
+        self.spaced = np.zeros(len(raw) + 1, dtype=bool)  # ...and white space follows the mark in the token itself
         for i, text in zip(marked, texts):
             stripped = text.rstrip()
             self.ends[i] = stripped[-1:] in SENTENCE_ENDS
             self.spaced[i] = self.ends[i] and len(stripped) < len(text)
         self._leading_space: dict[int, bool] = {}
 
-    def after(self, tokens) -> np.ndarray:
-        """[n] bool: a sentence ended just before each of the draft's tokens (position 0 is never marked: the first
-        token has a rate of its own). Token ids outside the vocabulary end nothing."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        marks = np.zeros(len(ids), dtype=bool)
+    def after(self, tokens) -> np.ndarray | None:
+        """[n] bool: a sentence ended just before each of the draft's tokens (a tensor or a list); None where none did,
+        as in most drafts. Position 0 is never marked: the first token has a rate of its own."""
+        ids = tokens.numpy() if hasattr(tokens, "numpy") else np.asarray(tokens)
         if len(ids) < 2:
-            return marks
-        before = ids[:-1]
-        known = (before >= 0) & (before < len(self.ends))
-        ends = np.flatnonzero(self.ends[np.where(known, before, 0)] & known)
-        for i in ends.tolist():
-            marks[i + 1] = self.spaced[before[i]] or self._starts_with_space(int(ids[i + 1]))
+            return None
+        ends = self.ends[np.clip(ids[:-1], -1, len(self.ends) - 1)]  # -1: the entry past the vocabulary
+        if not ends.any():
+            return None
+        marks = np.zeros(len(ids), dtype=bool)
+        for i in np.flatnonzero(ends).tolist():
+            marks[i + 1] = self.spaced[ids[i]] or self._starts_with_space(int(ids[i + 1]))
         return marks
 
     def _starts_with_space(self, token: int) -> bool:
         if token not in self._leading_space:
-            self._leading_space[token] = 0 <= token < len(self.ends) and self.tokenizer.decode([token])[:1].isspace()
+            self._leading_space[token] = 0 <= token < len(self.ends) - 1 and self.tokenizer.decode([token])[:1].isspace()
         return self._leading_space[token]
 
 
