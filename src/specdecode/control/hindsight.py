@@ -26,7 +26,7 @@ class Verdict:
     verified: int
     judged: int
     right: int
-    tokens: list[int] | None = field(default=None, compare=False)  # the draft's (where a sentence ended in it)
+    tokens: list[int] | None = field(default=None, compare=False)  # the draft itself: where sentences end in it
 
 
 @dataclass
