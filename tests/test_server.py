@@ -141,9 +141,13 @@ def test_bad_requests_get_400_and_do_not_disturb_a_running_request(server, solo)
     assert client.completions.create(model=MODEL, prompt="w7 w8", max_tokens=3, temperature=0).usage.completion_tokens > 0
 
 
-def test_disconnect_mid_stream_frees_the_slot(server):
+def test_disconnect_mid_stream_frees_the_slot(server, monkeypatch):
     service = server.service
     cancelled = metric(server, "specdecode_finished_requests_total", 'reason="cancelled"')
+    # The tiny model can decode all 400 tokens in ~0.3 s, about when the hang-up is first looked for (every
+    # DISCONNECT_POLL_S): its steps are slowed so that the request is still running when the server notices.
+    step = service.engine.step
+    monkeypatch.setattr(service.engine, "step", lambda: (time.sleep(0.02), step())[1])
     with httpx.stream("POST", server.url + "/v1/completions",
                       json={"model": MODEL, "prompt": prompt_of(6), "max_tokens": 400, "temperature": 0, "stream": True}) as response:
         for line in response.iter_lines():
