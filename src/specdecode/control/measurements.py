@@ -151,8 +151,9 @@ def _expected(first: float, later: float, length: int, after_sentence=None, at_s
     later one, given the ones before it, with `later` (`at_sentence` where `after_sentence` marks a sentence's end
     just before it)."""
     expected, survive, total = [], first, 0.0
+    next_after = after_sentence[1:].tolist() if after_sentence is not None else []  # one conversion, not one a position
     for i in range(length):
         total += survive
         expected.append(total)
-        survive *= at_sentence if after_sentence is not None and i + 1 < len(after_sentence) and after_sentence[i + 1] else later
+        survive *= at_sentence if i < len(next_after) and next_after[i] else later
     return expected
