@@ -87,7 +87,7 @@ class AdaptiveK:
         self._padded = 0  # passes pass_width padded (every PAD_RECHECK-th runs unpadded instead)
         self._rows_seen: tuple[int, ...] = ()  # the rows of the last pass observed
         self.saved: dict[int, float] = {}  # by row serial: plain passes its steps saved so far (negative: lost)
-        self._can_pay: tuple[tuple, float, bool] | None = None  # model_can_pay's last answer: (key, draft / plain, answer)
+        self._can_pay: tuple[tuple, bool] | None = None  # model_can_pay's last answer: (key, answer)
         self._drafted: dict[int, list[int]] = {}  # by row serial: the lookup draft fit chose this step, for observe
 
     def read_vocabulary(self, tokenizer) -> None:
@@ -127,12 +127,12 @@ class AdaptiveK:
         verify = self.verify_model_draft(2, leaves, offered)
         return (1 + a + (1 - a) * self.measured.leaf_hit_rate(leaves)) / (self.measured.costs.draft_time() + verify)
 
-    def _best_case_rate(self, t_plain: float, max_len: int, accept: float = 1.0) -> float:
+    def _best_case_rate(self, t_plain: float, max_len: int, accept: float = 1.0, t_draft: float | None = None) -> float:
         """Tokens per second of the best draft length if the target accepted each drafted token with probability
         `accept` (1: every one), with passes priced by the pass table (measured by width at load, then every step;
         interpolated between): a line through a curve that is flat in places made a hopeless draft look as if it
         could pay on llama.cpp."""
-        t_draft = self.measured.costs.draft_time()
+        t_draft = self.measured.costs.draft_time() if t_draft is None else t_draft
 
         def expected(k: int) -> float:  # 1 + accept + ... + accept^k
             return k + 1 if accept >= 1 else (1 - accept ** (k + 1)) / (1 - accept)
@@ -141,25 +141,26 @@ class AdaptiveK:
 
     def model_can_pay(self, max_len: int) -> bool:
         """Whether a model draft could beat plain decoding on this machine at the best acceptance drafts reach
-        (BEST_ACCEPT per token), from the measured costs. Where it cannot, the draft model reads no prompt and runs
-        no probe: only lookups are drafted (`model_off` says why)."""
+        (BEST_ACCEPT per token), from the measured costs. Where it cannot, a draft model that has not read the prompt
+        reads nothing and runs no probe, and one that has runs nothing but its rare probes (which time it again): only
+        lookups are drafted (`model_off` says why)."""
         costs = self.measured.costs
-        t_plain, t_draft = costs.verify_time(1), costs.draft_time()
-        if t_plain is None or not t_draft:
+        t_plain, share = costs.verify_time(1), costs.draft_share()
+        if t_plain is None or not share:
             return True  # not measured yet: nothing says it cannot
-        # Wide passes are priced in plain passes, so the answer moves only with those prices (`prices_moved`), the
-        # draft's cost or the draft against a plain pass by more than 1 %: asked at every step on fresh text, it is kept
-        # till then.
-        key, ratio = (max_len, costs.prices_moved, t_draft), t_draft / t_plain
-        if self._can_pay is not None and self._can_pay[0] == key and abs(ratio / self._can_pay[1] - 1) <= 0.01:
-            return self._can_pay[2]
-        best = self._best_case_rate(t_plain, max_len, priors.BEST_ACCEPT) * t_plain
+        # Every price here is in plain passes (the draft's as when it was timed: `draft_share`), so the answer moves
+        # only with those prices (`prices_moved`) or the draft's: asked at every step on fresh text, it is kept till
+        # then.
+        key = (max_len, costs.prices_moved, share)
+        if self._can_pay is not None and self._can_pay[0] == key:
+            return self._can_pay[1]
+        best = self._best_case_rate(t_plain, max_len, priors.BEST_ACCEPT, share * t_plain) * t_plain
         if best >= priors.MIN_GAIN:
             self.model_off = None
         else:
             self.model_off = (f"model drafts off: at {priors.BEST_ACCEPT:.0%} acceptance they would reach {best:.2f}x "
                               "plain decoding on this machine's measured costs; lookup drafts only")
-        self._can_pay = (key, ratio, self.model_off is None)
+        self._can_pay = (key, self.model_off is None)
         return self.model_off is None
 
     def _leaves_pay(self, offered: int) -> bool:
@@ -276,7 +277,9 @@ class AdaptiveK:
             return 0
         if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
             return min(priors.START_DRAFT, max_len)
-        if self._speculative_rate(with_leaves, offered) >= priors.MIN_GAIN / t_plain:
+        # A drafter in step with the text drafts only where its best case could pay: its rate, read off a few probes,
+        # came out above that best now and then, and it drafted at a loss (replays: 4-11 %). Its probes still run.
+        if self._speculative_rate(with_leaves, offered) >= priors.MIN_GAIN / t_plain and self.model_can_pay(max_len):
             self.plain_steps = 0
             self.probe_interval = self.probe_every
             return max_len

@@ -73,6 +73,8 @@ class CostModel:
     # cost then in plain passes, times a plain pass now: calibration reads one minute of a noisy machine, and a width
     # never drafted would keep that minute's price for the server's life.
     _plain_then: dict[tuple[int, int], float] = field(default_factory=dict)
+    # The plain pass when each drafter's token was last timed (`draft_share`)
+    _draft_plain_then: dict[str, float] = field(default_factory=dict)
     # One row's passes by width in plain passes as timed at load (`keep_load_prices`). A wide pass priced above what
     # this table says (interpolated; a batch's against its own plain pass) relaxes toward it, halving the excess every
     # STALE_HALF_LIFE passes it is not run: a busy minute priced 2- and 3-wide passes 4x their cost, and a width priced
@@ -91,6 +93,9 @@ class CostModel:
     def observe_draft(self, source: str, tokens: int, seconds: float) -> None:
         if tokens:
             self.draft_token_s.setdefault(source, _timing(self.alpha)).update(seconds / tokens)
+            plain = self._plain(1)
+            if plain is not None:
+                self._draft_plain_then[source] = plain
 
     def observe_verify(self, positions: int, seconds: float, rows: int = 1) -> None:
         table, key = (self.verify_s, positions) if rows == 1 else (self.batch_s, (rows, positions))
@@ -184,6 +189,14 @@ class CostModel:
     def draft_time(self) -> float:
         """Seconds per drafted token of the costliest drafter seen (with several, the model one)."""
         return max((e.value for e in self.draft_token_s.values() if e.value is not None), default=0.0)
+
+    def draft_share(self) -> float | None:
+        """The costliest drafter's token in plain passes as when it was last timed (None: not timed beside a plain
+        pass). A draft is timed only while drafting and a plain pass at every plain step, so their ratio now moves with
+        every busy minute of plain steps: a draft that cannot pay looked as if it could, and ran (replays: 4-11 %)."""
+        shares = [e.value / self._draft_plain_then[source] for source, e in self.draft_token_s.items()
+                  if e.value is not None and source in self._draft_plain_then]
+        return max(shares, default=None)
 
     def position_cost(self) -> float | None:
         """Seconds a position adds to a pass at the wide end of what was measured (the widest pass against the one
