@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from specdecode import SpecDecoder
 from specdecode.cli import main
@@ -75,6 +76,18 @@ def test_cli_generate_compare_streams_the_answer_then_times_fresh_pairs(capsys, 
     assert out.strip()  # the answer, streamed
     assert runs[1:] == [True, False, False, True, True, False]  # after the warm-up: 3 pairs, alternating who leads
     assert "median of 3 pairs" in err and "identical to plain" in err
+
+
+def test_cli_compare_says_why_a_greedy_answer_may_part_by_backend():
+    """Only fp32 on torch must match plain decoding bit for bit; llama.cpp's kernels round by pass width."""
+    from types import SimpleNamespace
+
+    from specdecode.cli.commands import _why_greedy_parts
+
+    torch_backend = lambda dtype: SimpleNamespace(name="torch", hf_model=SimpleNamespace(dtype=dtype))  # noqa: E731
+    assert "pass width" in _why_greedy_parts(SimpleNamespace(name="llama.cpp", hf_model=None))
+    assert "an error" in _why_greedy_parts(torch_backend(torch.float32))
+    assert "bf16 near-ties" in _why_greedy_parts(torch_backend(torch.bfloat16))
 
 
 def test_cli_models_lists_builtins(capsys):

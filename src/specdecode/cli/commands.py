@@ -66,9 +66,19 @@ def cmd_generate(args) -> int:
         f"speedup {statistics.median(speedups):.2f}x plain (median of {len(pairs)} pairs, {min(speedups):.2f}-"
         f"{max(speedups):.2f}x; the table shows the median pair); "
         f"output {'identical to' if same else 'DIFFERENT from'} plain decoding"
-        + ("" if same or args.temperature > 0 else " (bf16 near-ties can do this; fp32 must not)")
+        + ("" if same or args.temperature > 0 else f" ({_why_greedy_parts(engine.backend)}; `specdecode check` tells "
+                                                   "a near-tie from an error)")
     )
     return 0
+
+
+def _why_greedy_parts(backend) -> str:
+    """Why a greedy answer may part from plain decoding's without an error: the backend's numerics by pass width."""
+    if backend.name == "llama.cpp":
+        return "llama.cpp's kernels round differently by pass width: numeric near-ties can part"
+    if str(getattr(backend.hf_model, "dtype", "")) == "torch.float32":
+        return "fp32 must not: an error"
+    return "bf16 near-ties can do this; fp32 must not"
 
 
 # Runs of one prompt on a shared machine differ by a few % (`make demo`, AMD EPYC: pairs 0.91-1.14x in one run): one
