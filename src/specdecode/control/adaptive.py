@@ -278,7 +278,7 @@ class AdaptiveK:
         if not t_draft:  # the draft not measured yet: a short draft measures it and a wider pass
             return min(priors.START_DRAFT, max_len)
         # A drafter in step with the text drafts only where its best case could pay: its rate, read off a few probes,
-        # came out above that best now and then, and it drafted at a loss (replays: 4-11 %). Its probes still run.
+        # came out above that best now and then, and it drafted at a loss (replays: 5-10 %). Its probes still run.
         if self._speculative_rate(with_leaves, offered) >= priors.MIN_GAIN / t_plain and self.model_can_pay(max_len):
             self.plain_steps = 0
             self.probe_interval = self.probe_every

@@ -193,7 +193,7 @@ class CostModel:
     def draft_share(self) -> float | None:
         """The costliest drafter's token in plain passes as when it was last timed (None: not timed beside a plain
         pass). A draft is timed only while drafting and a plain pass at every plain step, so their ratio now moves with
-        every busy minute of plain steps: a draft that cannot pay looked as if it could, and ran (replays: 4-11 %)."""
+        every busy minute of plain steps: a draft that cannot pay looked as if it could, and ran (replays: 5-10 %)."""
         shares = [e.value / self._draft_plain_then[source] for source, e in self.draft_token_s.items()
                   if e.value is not None and source in self._draft_plain_then]
         return max(shares, default=None)
