@@ -18,8 +18,11 @@ drafts from the earlier answers too); `--depth` sets the trees' depth (a match o
 `--alternatives` the runner-ups the drafter's tree holds (the product's 2: its chain is cut from that tree; 0: a path);
 `--no-chains` turns off the drafter's long exact chains (llama-server's `ngram-mod` rule: a 24-token context chaining
 48-64 tokens, source `suffix/chain`); `--belief-ms` seeds the controller with another table than the one passes cost;
-`--loss STAKE:SHARE` sets the controller's loss limit. Last, our controller on whole requests (the prompt read at what a
-position costs at the table's wide end, ~100 tokens a second on the EPYC curve): what a bench's per-prompt ratio sees.
+`--loss STAKE:SHARE` sets the controller's loss limit; `--offers FILE` writes every lookup draft our controller was
+offered (JSON lines: its source, match class, the class's first-token rate then, the length verified, and how many of
+its leading tokens the answer has): how well the rates it bets on predict. Last, our controller on whole requests (the
+prompt read at what a position costs at the table's wide end, ~100 tokens a second on the EPYC curve): what a bench's
+per-prompt ratio sees.
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
         --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:63,4:0.1:63
@@ -37,6 +40,7 @@ import torch
 
 from specdecode.control import AdaptiveK, priors
 from specdecode.control.calibrate import WIDEST, observe_calibration_pass, too_wide, widths
+from specdecode.control.measurements import match_class
 from specdecode.control.step import RowOutcome, StepOutcome, StepPlan
 from specdecode.drafters import suffix
 from specdecode.drafters.base import Draft
@@ -124,10 +128,10 @@ def seeded_controller(cost: np.ndarray, widest: int, tokenizer=None) -> Adaptive
 
 
 def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cost: np.ndarray, ctl: AdaptiveK,
-                  row: int) -> float:
+                  row: int, offers: list | None = None) -> float:
     """Our controller trimming each draft as the engine's `fit` does and learning from each step's outcome and, as
     the tokens come, from each whole draft in hindsight (one controller for every prompt, as one engine serves
-    them)."""
+    them); `offers` collects each lookup draft offered, with the class's first-token rate it was priced at."""
     ctl.observe(StepOutcome((row,), 1, None, []))  # the row joins
     seq = SimpleNamespace(serial=row, ids=torch.tensor([prompt]), prompt=torch.tensor([prompt]), finished=False,
                           generated=0, stats=SimpleNamespace(cached_prompt_tokens=0))
@@ -137,8 +141,13 @@ def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cos
         ctl.judge_in_hindsight()
         offered = drafts[t]
         step = [replace(offered, instead=offered.instead and replace(offered.instead))]  # fit cuts and swaps in place
+        rate = ctl.measured.lookup_rates(offered.source, offered.match_len)[0].value if offered.length else None
         ctl.fit([seq], StepPlan([]), step)
         draft = step[0]
+        if offers is not None and offered.length:
+            offers.append(dict(row=row, position=t, source=offered.source, match_class=match_class(offered.match_len),
+                               first_rate=round(rate, 4), offered=offered.length, verified=draft.length,
+                               right=accepted(offered.tokens[0].tolist(), answer[t:])))
         acc = accepted(draft.tokens[0].tolist(), answer[t:])
         ms += cost[1 + draft.length]
         ctl.observe(StepOutcome((row,), 1 + draft.length, cost[1 + draft.length] / 1e3, [RowOutcome(
@@ -169,6 +178,8 @@ def main() -> None:
                         help="the controller without the vocabulary (no rate of its own after a sentence's end)")
     parser.add_argument("--loss", default=None, metavar="STAKE:SHARE",
                         help="the controller's loss limit (priors.LOSS_STAKE, LOSS_SHARE) instead of the product's")
+    parser.add_argument("--offers", default=None, metavar="FILE",
+                        help="write every lookup draft offered to our controller (the first variant's), JSON lines")
     args = parser.parse_args()
     if args.loss:
         priors.LOSS_STAKE, priors.LOSS_SHARE = map(float, args.loss.split(":"))
@@ -193,6 +204,7 @@ def main() -> None:
                    for *_, k in variants]
     fresh_chains = lambda: suffix.ContextChains(capacity=0 if args.no_chains else suffix.CHAIN_CONTEXTS)  # noqa: E731
     caches = [(suffix.shared_cache(), fresh_chains()) if args.cross_request else (None, None) for _ in variants]
+    offers: list[dict] = []
     for row, prompt in enumerate(prompts):
         ids = encode_prompt(tokenizer, prompt.text, chat=True)[0].tolist()
         answer = json.loads(rows[prompt.id]["token_ids"]) if isinstance(rows[prompt.id]["token_ids"], str) else rows[prompt.id]["token_ids"]
@@ -208,7 +220,7 @@ def main() -> None:
             oracle = oracle_ms(answer, drafts, cost)
             cut = cut_ms(answer, drafts, cost, lambda d, acc: acc)
             full = cut_ms(answer, drafts, cost, lambda d, acc: len(d))
-            ours = controller_ms(ids, answer, drafts, cost, controllers[i], row)
+            ours = controller_ms(ids, answer, drafts, cost, controllers[i], row, offers if i == 0 else None)
             totals[i] += (oracle, cut, full, ours)
             worst[i] = min(worst[i], plain / ours)
             whole[i] += reading + ours
@@ -222,6 +234,9 @@ def main() -> None:
         f" {'':>13} {plain_whole / w:>5.2f} / {ww:>4.2f}" for w, ww in zip(whole, worst_whole)))
     print("columns: decode speedup over plain: oracle cut / cut at what is accepted / whole drafts / our controller "
           f"(prompt reading not included); whole requests: the prompt read at {read_ms:.1f} ms a token")
+    if args.offers:
+        with open(args.offers, "w") as out:
+            out.writelines(json.dumps(offer) + "\n" for offer in offers)
 
 
 if __name__ == "__main__":
