@@ -141,10 +141,11 @@ def controller_ms(prompt: list[int], answer: list[int], drafts: list[Draft], cos
         ctl.judge_in_hindsight()
         offered = drafts[t]
         step = [replace(offered, instead=offered.instead and replace(offered.instead))]  # fit cuts and swaps in place
-        rate = ctl.measured.lookup_rates(offered.source, offered.match_len)[0].value if offered.length else None
+        logged = offers is not None and offered.length
+        rate = ctl.measured.lookup_rates(offered.source, offered.match_len)[0].value if logged else None  # as fit reads it
         ctl.fit([seq], StepPlan([]), step)
         draft = step[0]
-        if offers is not None and offered.length:
+        if logged:
             offers.append(dict(row=row, position=t, source=offered.source, match_class=match_class(offered.match_len),
                                first_rate=round(rate, 4), offered=offered.length, verified=draft.length,
                                right=accepted(offered.tokens[0].tolist(), answer[t:])))
