@@ -84,8 +84,8 @@ def test_cli_compare_says_why_a_greedy_answer_may_part_by_backend():
 
     from specdecode.cli.commands import _why_greedy_parts
 
-    torch_backend = lambda dtype: SimpleNamespace(name="torch", hf_model=SimpleNamespace(dtype=dtype))  # noqa: E731
-    assert "pass width" in _why_greedy_parts(SimpleNamespace(name="llama.cpp", hf_model=None))
+    torch_backend = lambda dtype: SimpleNamespace(name="torch", dtype=dtype)  # noqa: E731
+    assert "pass width" in _why_greedy_parts(SimpleNamespace(name="llama.cpp"))
     assert "an error" in _why_greedy_parts(torch_backend(torch.float32))
     assert "bf16 near-ties" in _why_greedy_parts(torch_backend(torch.bfloat16))
 

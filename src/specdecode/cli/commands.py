@@ -76,7 +76,7 @@ def _why_greedy_parts(backend) -> str:
     """Why a greedy answer may part from plain decoding's without an error: the backend's numerics by pass width."""
     if backend.name == "llama.cpp":
         return "llama.cpp's kernels round differently by pass width: numeric near-ties can part"
-    if str(getattr(backend.hf_model, "dtype", "")) == "torch.float32":
+    if str(getattr(backend, "dtype", "")) == "torch.float32":  # the torch backend's own dtype
         return "fp32 must not: an error"
     return "bf16 near-ties can do this; fp32 must not"
 
