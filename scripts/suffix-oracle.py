@@ -22,7 +22,7 @@ drafts from the earlier answers too); `--depth` sets the trees' depth (a match o
 offered (JSON lines: its source, match class, the class's first-token rate then, the length verified, and how many of
 its leading tokens the answer has): how well the rates it bets on predict. Last, our controller on whole requests (the
 prompt read at what a position costs at the table's wide end, ~100 tokens a second on the EPYC curve): what a bench's
-per-prompt ratio sees.
+per-prompt ratio sees, and the mean of those ratios (a bench's "vs plain mean") for the oracle and ours.
 
     .venv/bin/python scripts/suffix-oracle.py docs/bench/llama-edits-epyc-s20/results.json --prompts edits \
         --pass-ms 1:35,2:63,4:110,8:250,12:320,16:305,20:415,24:454,32:540,48:790,64:860 --variants 1:0.1:63,4:0.1:63
@@ -200,6 +200,7 @@ def main() -> None:
     # whole requests: the prompt read at what a position costs at the table's wide end (as the controller prices it)
     read_ms = (cost[64] - cost[32]) / 32
     whole, worst_whole, plain_whole = np.zeros(len(variants)), [np.inf] * len(variants), 0.0
+    by_prompt = [([], []) for _ in variants]  # whole requests, each prompt's speedup: (oracle, ours), as a bench's mean
     belief = pass_table(args.belief_ms, len(cost) - 1) if args.belief_ms else cost
     controllers = [seeded_controller(belief, max(WIDEST, k + 1), None if args.no_sentences else tokenizer)
                    for *_, k in variants]
@@ -226,6 +227,8 @@ def main() -> None:
             worst[i] = min(worst[i], plain / ours)
             whole[i] += reading + ours
             worst_whole[i] = min(worst_whole[i], (reading + plain) / (reading + ours))
+            by_prompt[i][0].append((reading + plain) / (reading + oracle))
+            by_prompt[i][1].append((reading + plain) / (reading + ours))
             cells.append(f"{plain / oracle:>6.2f} {plain / cut:>5.2f} {plain / full:>5.2f} {plain / ours:>5.2f}")
         print(f"{prompt.id:<18} {len(answer):>6} {plain / 1e3:>8.2f}" + "".join(f" {c:>23}" for c in cells))
     print(f"{'worst prompt':<18} {'':>6} {'':>8}" + "".join(f" {'':>20} {w:>5.2f}" for w in worst))
@@ -233,6 +236,8 @@ def main() -> None:
         f" {plain_total / o:>6.2f} {plain_total / c:>5.2f} {plain_total / f:>5.2f} {plain_total / u:>5.2f}" for o, c, f, u in totals))
     print(f"{'ours, whole requests (all / worst prompt)':<33}" + "".join(
         f" {'':>13} {plain_whole / w:>5.2f} / {ww:>4.2f}" for w, ww in zip(whole, worst_whole)))
+    print(f"{'whole requests, mean of prompts':<33}" + "".join(
+        f" {'oracle':>6} {np.mean(o):>5.2f} ours {np.mean(u):>5.2f}" for o, u in by_prompt))
     print("columns: decode speedup over plain: oracle cut / cut at what is accepted / whole drafts / our controller "
           f"(prompt reading not included); whole requests: the prompt read at {read_ms:.1f} ms a token")
     if args.offers:

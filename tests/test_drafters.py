@@ -1,5 +1,7 @@
 """Every drafter and controller keeps the output exact; the fast-draft pieces do what they claim."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, priors
+from specdecode.control.calibrate import observe_calibration_pass
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.suffix import ContextChains, CopyPointer, GramIndex
 from specdecode.sampling import StreamDraws
@@ -586,6 +589,33 @@ def test_suffix_drafts_a_long_copy_as_a_chain_across_requests():
     fresh = SuffixDrafter()  # nothing repeated 8 tokens long: no copy, the tree's short match
     fresh.begin(torch.tensor([text]))
     assert fresh.propose_free(torch.tensor([text + text[:5]]), 63).source == "suffix"
+
+
+def test_a_short_match_the_text_went_on_from_differently_is_priced_apart():
+    """A 1-3 token match whose earlier occurrences went on in different ways ("contested": its likeliest next token
+    under half) drafts as its own source, priced from priors.CONTESTED_ACCEPT: verified where a 2-wide pass costs about
+    what a plain one does (torch bf16 on the AMX Xeon), not where it costs 1.35 plain ones (llama.cpp there), where the
+    same match seen once goes on at its class's prior."""
+    once, twice = [10, 1, 2, 3, 11, 12, 1, 2], [10, 1, 2, 3, 11, 1, 2, 4, 12, 1, 2]
+    drafts = {}
+    for name, text in (("once", once), ("twice", twice)):
+        drafter = SuffixDrafter()
+        drafter.begin(torch.tensor([text]))
+        drafts[name] = drafter.propose_free(torch.tensor([text]), 8)
+    assert (drafts["once"].source, drafts["once"].match_len, drafts["once"].tokens[0].tolist()) == ("suffix", 2, [3, 11])
+    assert drafts["twice"].source == "suffix/contested" and drafts["twice"].match_len == 2
+
+    def verified(curve: dict[int, float], draft: Draft) -> int:
+        ctl = AdaptiveK()
+        for width, ms in curve.items():
+            observe_calibration_pass(ctl, width, ms / 1e3)
+        ctl.rows_changed()
+        return ctl.trim(copy.deepcopy(draft)).length
+
+    amx_llama = {1: 66, 2: 89, 4: 99, 8: 122, 16: 147, 32: 199}  # cpu-profiles.json, xeon_amx
+    amx_torch = {1: 191, 2: 195, 4: 192, 8: 195, 16: 202, 32: 232}
+    assert verified(amx_llama, drafts["once"]) > 0 and verified(amx_llama, drafts["twice"]) == 0
+    assert verified(amx_torch, drafts["twice"]) > 0
 
 
 @pytest.mark.parametrize("chains", [True, False])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+from ..drafters.base import CONTESTED
 from . import priors
 from .costs import ConfidenceCalibrator, CostModel, Ema, PassCostLine
 from .hindsight import Verdict
@@ -87,17 +88,22 @@ class Measurements:
         position never drafted is never measured). A refined source ("suffix/chain": drafts a source makes on stronger
         evidence) starts from where its parent's rates for that class stand, then learns its own: at a fixed prior
         its first bets were as wide as long copies are here, where the traffic had already taught that its long
-        copies break early (a summary: 0.98x -> 0.87x in replay)."""
+        copies break early (a summary: 0.98x -> 0.87x in replay). A contested short match ("suffix/contested") is
+        the exception: its first token starts from priors.CONTESTED_ACCEPT, whatever its parent and siblings stand at."""
         key = (source, match_class(match_len))
+        contested = source.endswith(CONTESTED)
         if key not in self.lookup:
             parent, slash, _ = source.rpartition("/")
-            if slash and (parent, key[1]) in self.lookup:
+            if contested:  # its first token is its own evidence; later ones copy as the class's do
+                prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
+                self.lookup[key] = Ema(priors.EMA_ALPHA, priors.CONTESTED_ACCEPT), CopyRate(prior)
+            elif slash and (parent, key[1]) in self.lookup:
                 first, later = self.lookup[(parent, key[1])]
                 self.lookup[key] = copy.deepcopy(first), copy.deepcopy(later)
             else:
                 prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
                 self.lookup[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
-        if key[1] in priors.SHORT_MATCH_CLASSES and key not in self.judged_lookups:
+        if key[1] in priors.SHORT_MATCH_CLASSES and not contested and key not in self.judged_lookups:
             self._start_from_siblings(key)
         return self.lookup[key]
 

@@ -23,6 +23,10 @@ POSITION_ACCEPT_BY_MATCH = (0.5, 0.45, 0.5, 0.5, 0.6, 0.8, 0.95)
 # starts as far from its prior as its judged siblings stand from theirs. Longer classes keep their own priors: on code
 # edits short matches were right 40-48 % of the time and 16+ ones 98 %
 SHORT_MATCH_CLASSES = (1, 2, 3)
+# A short match the text went on from in more than one way (drafters/suffix.py: "contested"): its likeliest next token
+# was right 9-20 % of the time on Spec-Bench answers, 6-33 % on fresh code and code edits (session 46's offers), where
+# a short match seen once was right 37-45 %. Low, so it is verified only where a wider pass costs almost nothing
+CONTESTED_ACCEPT = 0.15
 # A lookup draft's later positions share one rate per match class (measurements.CopyRate): it starts as this many
 # judged positions at the class's prior and forgets at this rate a judged position (half weight after ~35: about one
 # long draft, so one rejection stops a copy's long drafts for a draft or two, not for dozens of steps)

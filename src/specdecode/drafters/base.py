@@ -15,6 +15,11 @@ from ..sampling import SamplingParams, kept_distribution
 from ..verify import argmax
 
 
+# A lookup source's refinement for a draft from a short match the text went on from in more than one way
+# ("suffix/contested"): the controller prices its first token from its own low prior (control/priors.py)
+CONTESTED = "/contested"
+
+
 @dataclass
 class Draft:
     tokens: torch.Tensor  # [B, n] proposed tokens, n <= k (n = 0: nothing to propose)

@@ -16,6 +16,9 @@ little further on: `CopyPointer` follows where the copy is, finds it again after
 left, and writes what an edit replaced (a renamed variable) into later drafts from it. Where it runs further than the
 tree's match vouches for, its draft goes out as `suffix/copy`, priced apart.
 
+A short match after which the text went on in more than one way ("contested") drafts as `suffix/contested`: its first
+token is right far less often than a short match's that went on one way, and the controller prices it apart.
+
 Drafts from answers and earlier requests have sources of their own: `answers` (the tree over answers, earlier ones
 and this one so far, scored higher than this request's tree of prompt and answer) and `earlier/chain` (a chain whose
 first context another request recorded). A copy of what was answered before is other evidence than a match in this
@@ -32,7 +35,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .base import Draft, Drafter
+from .base import CONTESTED, Draft, Drafter
 
 try:
     from arctic_inference.suffix_decoding import SuffixDecodingCache
@@ -45,6 +48,11 @@ except ImportError:  # the optional `suffix` extra (scripts/build-arctic-inferen
 # a draft costs ~40 us more)
 MAX_TREE_DEPTH = 128
 MIN_TOKEN_PROB = 0.1  # a branch whose estimated probability falls below this ends the draft
+# A match of at most CONTESTED_MATCH tokens after which the text went on differently before (its likeliest next token
+# under CONTESTED_PROB; a match seen once scores 0.5, its own occurrence counted) is other evidence than a short match
+# that went on one way: its draft's source is refined (base.CONTESTED: "suffix/contested"), priced from a low prior
+# (control/priors.py: CONTESTED_ACCEPT) and learned apart
+CONTESTED_MATCH, CONTESTED_PROB = 3, 0.5
 MAX_SPEC_FACTOR = 1.0  # a match of n tokens drafts at most n tokens (+ MAX_SPEC_OFFSET): a short match is weak
 MAX_SPEC_OFFSET = 0.0
 CACHED_RESPONSES = 256  # earlier answers kept for drafting across requests (first in, first out)
@@ -212,6 +220,8 @@ class SuffixDrafter(Drafter):
         found, source = self._speculate(text[-MAX_TREE_DEPTH:], k * room, room)
         chain, siblings = best_chain(found.token_ids, found.parents, found.probs) if found.token_ids else ([], [])
         keep = min(k, int(found.match_len * MAX_SPEC_FACTOR + MAX_SPEC_OFFSET)) or 1
+        if chain and found.match_len <= CONTESTED_MATCH and first_token_prob(found) < CONTESTED_PROB:
+            source += CONTESTED
         chain, siblings = chain[:keep], siblings[:keep]
         draft = Draft(torch.tensor([chain]), source=source, match_len=found.match_len) if chain else None
         if draft is not None and self.alternatives and any(siblings):
@@ -236,6 +246,12 @@ class SuffixDrafter(Drafter):
 
     def propose_free(self, input_ids, k) -> Draft:
         return self.propose(input_ids, k, None, None)
+
+
+def first_token_prob(found) -> float:
+    """A draft tree's estimate that its likeliest first token comes next (the share of the match's earlier occurrences
+    that it followed)."""
+    return max(p for p, parent in zip(found.probs, found.parents) if parent == -1)
 
 
 def best_chain(tokens: list[int], parents: list[int], probs: list[float]) -> tuple[list[int], list[list[int]]]:
