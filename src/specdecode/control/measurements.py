@@ -94,14 +94,13 @@ class Measurements:
         contested = source.endswith(CONTESTED)
         if key not in self.lookup:
             parent, slash, _ = source.rpartition("/")
+            prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
             if contested:  # its first token is its own evidence; later ones copy as the class's do
-                prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
                 self.lookup[key] = Ema(priors.EMA_ALPHA, priors.CONTESTED_ACCEPT), CopyRate(prior)
             elif slash and (parent, key[1]) in self.lookup:
                 first, later = self.lookup[(parent, key[1])]
                 self.lookup[key] = copy.deepcopy(first), copy.deepcopy(later)
             else:
-                prior = priors.POSITION_ACCEPT_BY_MATCH[key[1]]
                 self.lookup[key] = Ema(priors.EMA_ALPHA, prior), CopyRate(prior)
         if key[1] in priors.SHORT_MATCH_CLASSES and not contested and key not in self.judged_lookups:
             self._start_from_siblings(key)
