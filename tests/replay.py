@@ -61,13 +61,18 @@ def observe_step(ctl: AdaptiveK, source, confidences, drafted, accepted, draft_s
     ctl.observe_row(source, confidences, drafted, accepted, draft_s, leaf_used=leaf_used, positions=width)
 
 
-def epyc_controller() -> AdaptiveK:
-    """A controller whose load calibration timed the AVX-512 EPYC's llama.cpp passes (a 16-wide pass: 8.7 plain)."""
+def calibrated_controller(pass_ms: dict[int, float]) -> AdaptiveK:
+    """A controller whose load calibration timed these passes (ms by width)."""
     ctl = AdaptiveK()
-    for width, ms in EPYC_LLAMA_PASS_MS.items():
+    for width, ms in pass_ms.items():
         observe_calibration_pass(ctl, width, ms / 1e3)
     ctl.rows_changed()
     return ctl
+
+
+def epyc_controller() -> AdaptiveK:
+    """A controller whose load calibration timed the AVX-512 EPYC's llama.cpp passes (a 16-wide pass: 8.7 plain)."""
+    return calibrated_controller(EPYC_LLAMA_PASS_MS)
 
 
 def machines() -> list[Machine]:

@@ -10,12 +10,11 @@ from hypothesis import given, settings, strategies as st
 from specdecode import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeEngine, SuffixDrafter
 from specdecode.bench.methods import parse_spec_method
 from specdecode.control import AdaptiveK, ConfidenceCalibrator, CostModel, priors
-from specdecode.control.calibrate import observe_calibration_pass
 from specdecode.drafters import ComboDrafter, Draft
 from specdecode.drafters.suffix import ContextChains, CopyPointer, GramIndex
 from specdecode.sampling import StreamDraws
 from specdecode.backends.quant import Int4Linear, Int8Linear, RestrictedHead, int4_available, quantize
-from replay import epyc_controller, observe_step, simulate_costs
+from replay import calibrated_controller, epyc_controller, observe_step, simulate_costs
 from test_sampling import SAMPLES, VOCAB, assert_drafts_reached_the_second_position, assert_lossless, batched, check_results, sample_generations
 from tiny import random_prompt, reference_greedy, tiny_model
 
@@ -606,11 +605,7 @@ def test_a_short_match_the_text_went_on_from_differently_is_priced_apart():
     assert drafts["twice"].source == "suffix/contested" and drafts["twice"].match_len == 2
 
     def verified(curve: dict[int, float], draft: Draft) -> int:
-        ctl = AdaptiveK()
-        for width, ms in curve.items():
-            observe_calibration_pass(ctl, width, ms / 1e3)
-        ctl.rows_changed()
-        return ctl.trim(copy.deepcopy(draft)).length
+        return calibrated_controller(curve).trim(copy.deepcopy(draft)).length
 
     amx_llama = {1: 66, 2: 89, 4: 99, 8: 122, 16: 147, 32: 199}  # cpu-profiles.json, xeon_amx
     amx_torch = {1: 191, 2: 195, 4: 192, 8: 195, 16: 202, 32: 232}
